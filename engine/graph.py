@@ -1,0 +1,91 @@
+"""Draft graphs (ALGORITHMS.md §3): nodes are sets of ranks into a step's confidence order.
+
+The root is the empty set. An edge p → k exists whenever S_p ⊂ S_k, so a node may have several
+parents (a DAG). Nodes are kept in topological order: by set size, then by the order given.
+Stored as JSON: a list of rank lists, e.g. `[[], [0], [0, 1], [1]]`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+
+
+class DraftGraph:
+    def __init__(self, nodes):
+        sets = []
+        for n in nodes:
+            if not isinstance(n, (list, tuple, set, frozenset)):
+                raise InputError(f"draft graph node {n!r} is not a list of ranks")
+            for r in n:
+                if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                    raise InputError(f"draft graph node {list(n)!r} holds {r!r}, not a non-negative int")
+            s = frozenset(n)
+            if len(s) != len(n):
+                raise InputError(f"draft graph node {list(n)!r} repeats a rank")
+            sets.append(s)
+        if frozenset() not in sets:
+            raise InputError("draft graph has no root (the empty rank set [])")
+        if len(set(sets)) != len(sets):
+            dup = next(s for i, s in enumerate(sets) if s in sets[:i])
+            raise InputError(f"draft graph repeats the node {sorted(dup)}")
+        order = sorted(range(len(sets)), key=lambda i: (len(sets[i]), i))   # stable: ties keep file order
+        self.nodes: list[frozenset] = [sets[i] for i in order]
+        # parents[k] = indices p with S_p ⊂ S_k (strict subset), in topological order
+        self.parents: list[list[int]] = [[p for p in range(k) if self.nodes[p] < self.nodes[k]] for k in range(len(self.nodes))]
+
+    # ---------------------------------------------------------------- constructors
+    @classmethod
+    def root_only(cls) -> "DraftGraph":
+        return cls([[]])
+
+    @classmethod
+    def chain(cls, depth: int) -> "DraftGraph":
+        if depth < 0:
+            raise InputError(f"draft depth must be >= 0, got {depth}")
+        return cls([list(range(d)) for d in range(depth + 1)])
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DraftGraph":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise InputError(f"draft graph file {path} not found") from None
+        except (OSError, ValueError) as e:
+            raise InputError(f"cannot read draft graph file {path}: {e}") from None
+        if isinstance(raw, dict):
+            raw = raw.get("nodes")
+        if not isinstance(raw, list):
+            raise InputError(f"draft graph file {path} is not a list of rank lists")
+        return cls(raw)
+
+    def save(self, path: str | Path, **meta) -> None:
+        body = {"nodes": [sorted(s) for s in self.nodes], **meta}
+        Path(path).write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+
+    # ---------------------------------------------------------------- views
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def depth(self) -> int:
+        return max(len(s) for s in self.nodes)
+
+    @property
+    def is_root_only(self) -> bool:
+        return len(self.nodes) == 1
+
+    def node_ranks(self, device=None) -> torch.Tensor:
+        """[K, D] int64 rank sets padded with -1 (D = max(depth, 1))."""
+        out = torch.full((len(self.nodes), max(self.depth, 1)), -1, dtype=torch.int64)
+        for k, s in enumerate(self.nodes):
+            if s:
+                out[k, : len(s)] = torch.tensor(sorted(s))
+        return out.to(device)
+
+    def __repr__(self) -> str:
+        return f"DraftGraph({[sorted(s) for s in self.nodes]})"

@@ -1,0 +1,120 @@
+"""Transfer policies π (stage 1, "spatial"): which masked in-block positions to commit.
+
+Every policy is a batched tensor function over rows (no Python loop over positions, no host
+sync): given the block's confidences [R, L], the mask of still-masked positions and the step
+index of each row inside its block, it returns a commit mask [R, L]. It commits at least one
+position in every row that still has a masked one (ALGORITHMS.md §2); ties in confidence go to
+the lower position index.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def masked_conf(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Confidence with non-masked positions at -inf, so they are never ranked or chosen."""
+    return torch.where(masked, conf, torch.full_like(conf, NEG_INF))
+
+
+def rank_of(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Rank [R, L] of every position: masked ones by confidence descending, lower index first on
+    ties; unmasked ones rank after every masked one."""
+    cm = masked_conf(conf, masked)
+    order = torch.sort(cm, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return ranks
+
+
+def _top1_mask(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    best = masked_conf(conf, masked).argmax(-1, keepdim=True)       # first index on ties
+    return torch.zeros_like(masked).scatter_(-1, best, True) & masked
+
+
+def _at_least_one(commit: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    return torch.where(commit.any(-1, keepdim=True), commit, _top1_mask(conf, masked))
+
+
+def num_transfer_tokens(block_len: int, steps_per_block: int) -> list[int]:
+    """LLaDA's get_num_transfer_tokens for a fully masked block: the count split evenly over the
+    steps, the remainder going to the first steps."""
+    base, rem = divmod(block_len, steps_per_block)
+    return [base + (1 if i < rem else 0) for i in range(steps_per_block)]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base: `select(conf, masked, step) -> commit` with conf float [R, L], masked bool [R, L],
+    step int64 [R] (this row's step index inside the current block)."""
+
+    name = "base"
+
+    def select(self, conf: torch.Tensor, masked: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Greedy(Policy):
+    name = "greedy"
+
+    def select(self, conf, masked, step):
+        return _top1_mask(conf, masked)
+
+
+@dataclass(frozen=True)
+class TopK(Policy):
+    """LLaDA reference schedule: k_t tokens at step t of the block (at least one)."""
+
+    block_len: int
+    steps_per_block: int
+    name = "topk"
+
+    def select(self, conf, masked, step):
+        sched = torch.tensor(num_transfer_tokens(self.block_len, self.steps_per_block), device=conf.device)
+        k = sched[step.clamp(max=self.steps_per_block - 1)].clamp_min(1)      # [R]
+        return (rank_of(conf, masked) < k[:, None]) & masked
+
+    def describe(self):
+        return f"topk(steps/block={self.steps_per_block})"
+
+
+@dataclass(frozen=True)
+class Confidence(Policy):
+    """Fast-dLLM threshold: every masked position with c >= tau, else the most confident one."""
+
+    tau: float = 0.9
+    name = "confidence"
+
+    def select(self, conf, masked, step):
+        return _at_least_one(masked & (conf >= self.tau), conf, masked)
+
+    def describe(self):
+        return f"confidence(tau={self.tau})"
+
+
+@dataclass(frozen=True)
+class LocalLeap(Policy):
+    """Anchors c >= kappa, plus positions with c >= tau within distance W of an anchor."""
+
+    kappa: float = 0.9
+    tau: float = 0.75
+    window: int = 4
+    name = "localleap"
+
+    def select(self, conf, masked, step):
+        anchors = masked & (conf >= self.kappa)
+        # dilation of the anchor set by W in both directions, within the block
+        near = F.max_pool1d(anchors[:, None].float(), 2 * self.window + 1, stride=1, padding=self.window)[:, 0] > 0
+        commit = anchors | (masked & (conf >= self.tau) & near)
+        return _at_least_one(commit, conf, masked)
+
+    def describe(self):
+        return f"localleap(kappa={self.kappa},tau={self.tau},W={self.window})"

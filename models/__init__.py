@@ -1,0 +1,9 @@
+"""Hand-written dLLM model definitions: one transformer, config-driven family differences."""
+from .checkpoint import DTYPES, checkpoint_names, init_random, load_model, save_checkpoint
+from .config import ModelConfig
+from .errors import CheckpointError
+from .tokenizer import Tokenizer
+from .transformer import KVCache, Transformer, attention_mask, position_ids
+
+__all__ = ["DTYPES", "CheckpointError", "KVCache", "ModelConfig", "Tokenizer", "Transformer", "attention_mask",
+           "checkpoint_names", "init_random", "load_model", "position_ids", "save_checkpoint"]

@@ -1,0 +1,192 @@
+"""Load and save Hugging Face-format checkpoint directories in each family's real layout.
+
+A directory holds `config.json`, `model.safetensors` or a sharded `model.safetensors.index.json`,
+and `tokenizer.json`. Loading builds the model on the meta device and materialises one tensor at
+a time straight from the safetensors files, so a 7B checkpoint never needs twice its size in memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .transformer import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
+
+# internal name suffix -> checkpoint name suffix, per family ("{i}" is the layer index)
+_LAYER_NAMES = {
+    "llada": {
+        "attn_norm.weight": "attn_norm.weight", "attn.wq": "q_proj", "attn.wk": "k_proj", "attn.wv": "v_proj",
+        "attn.wo": "attn_out", "ffn_norm.weight": "ff_norm.weight", "mlp.w_gate": "ff_proj",
+        "mlp.w_up": "up_proj", "mlp.w_down": "ff_out",
+    },
+    "qwen": {
+        "attn_norm.weight": "input_layernorm.weight", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
+        "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "mlp.w_gate": "mlp.gate_proj", "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj",
+    },
+}
+_TOP_NAMES = {
+    "llada": {"tok_embeddings.weight": "model.transformer.wte.weight", "norm.weight": "model.transformer.ln_f.weight",
+              "output.weight": "model.transformer.ff_out.weight"},
+    "qwen": {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"},
+}
+_LAYER_PREFIX = {"llada": "model.transformer.blocks.{i}.", "qwen": "model.layers.{i}."}
+# buffers some exporters write that carry no weights
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _layout(config: ModelConfig) -> str:
+    return "llada" if config.family == "llada" else "qwen"
+
+
+def checkpoint_names(config: ModelConfig) -> dict[str, str]:
+    """{internal parameter name: checkpoint tensor name} for every parameter of the model."""
+    lay = _layout(config)
+    names = {}
+    for k, v in _TOP_NAMES[lay].items():
+        if k == "output.weight" and config.tie_embeddings:
+            continue
+        names[k] = v
+    for i in range(config.num_layers):
+        pre = _LAYER_PREFIX[lay].format(i=i)
+        for k, v in _LAYER_NAMES[lay].items():
+            if k.endswith(".weight"):
+                names[f"layers.{i}.{k}"] = pre + v
+                continue
+            names[f"layers.{i}.{k}.weight"] = pre + v + ".weight"
+            has_bias = config.o_bias if k == "attn.wo" else (config.qkv_bias and k in ("attn.wq", "attn.wk", "attn.wv"))
+            if has_bias:
+                names[f"layers.{i}.{k}.bias"] = pre + v + ".bias"
+    return names
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """{checkpoint tensor name: file holding it}, from the index or the single file."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"cannot read {index}: {e!r}") from None
+        files = {}
+        for name, fname in weight_map.items():
+            f = path / fname
+            if not f.is_file():
+                raise CheckpointError(f"{index.name} names shard {fname}, which is missing from {path}")
+            files[name] = f
+        return files
+    if single.is_file():
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"cannot read {single}: {e}") from None
+    raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
+    """Load a checkpoint directory of any supported family into a `Transformer` (eval mode)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist or is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise CheckpointError(f"model directory {path} is not readable")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise CheckpointError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+        dtype = DTYPES[dtype]
+    config = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = checkpoint_names(config)
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    files = _tensor_files(path)
+    ckpt_to_internal = {v: k for k, v in expected.items()}
+    for name in files:
+        if name not in ckpt_to_internal and not name.endswith(_IGNORED_SUFFIXES):
+            raise CheckpointError(f"unexpected tensor {name} in {path} for a {config.family} model")
+    missing = [v for v in expected.values() if v not in files]
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]} in {path}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for internal, name in expected.items():
+        by_file.setdefault(files[name], []).append(internal)
+    state = {}
+    for fpath, internals in by_file.items():          # one shard open at a time
+        with safe_open(str(fpath), framework="pt", device="cpu") as f:
+            for internal in internals:
+                name = expected[internal]
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                if shape != shapes[internal]:
+                    raise CheckpointError(f"tensor {name} has shape {list(shape)}, the config implies {list(shapes[internal])}")
+                state[internal] = f.get_tensor(name).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def save_checkpoint(model: Transformer, path: str | os.PathLike, shard_bytes: int | None = None,
+                    dtype: torch.dtype | None = None) -> Path:
+    """Write `model` as a checkpoint directory in its family's real layout (config + safetensors).
+
+    With `shard_bytes`, tensors are split over several files with a `model.safetensors.index.json`.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    names = checkpoint_names(config)
+    sd = model.state_dict()
+    tensors = {names[k]: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in sd.items() if k in names}
+    (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2), encoding="utf-8")
+    for stale in ("model.safetensors", "model.safetensors.index.json"):
+        (path / stale).unlink(missing_ok=True)
+    if shard_bytes is None:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+    shards, cur, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = t
+        size += nbytes
+    shards.append(cur)
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
+    return path
+
+
+def init_random(config: ModelConfig, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A model with seeded random weights (norm weights near 1, biases small), for tests."""
+    g = torch.Generator().manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g) * (1.0 if p.dim() > 1 else 5.0))
+    return model.to(dtype).eval().requires_grad_(False)

@@ -1,0 +1,209 @@
+"""One config-driven transformer for LLaDA, Dream and openPangu-Diffusion.
+
+The families differ only in config fields (ALGORITHMS.md §7): q/k/v and o biases, GQA, RoPE θ,
+RMS eps, logit shift, attention mode (bidirectional or context-causal blocks), position ids with
+left padding. The forward takes an explicit boolean attention mask for the tokens it runs and,
+optionally, a KV cache of other canvas positions; it returns logits only for the query slice the
+caller asks for, because the engine needs predictions for one block, not the whole canvas.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in fp32 whatever the weight dtype, as the reference implementations do
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin [R, 1, T, D] for integer positions [R, T] (rotate-half convention)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
+    f = pos.float()[..., None] * inv                      # [R, T, D/2]
+    emb = torch.cat((f, f), dim=-1)[:, None]              # [R, 1, T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class KVCache:
+    """Keys/values (post-RoPE) of cached canvas positions, one copy per cache row.
+
+    layers:   per layer (k, v), each [Bc, Hkv, S, D]
+    key_mask: [Bc, S] bool, True where a query of the current call may attend the cached key
+              (the cache is query-independent: pads and invisible suffix positions are False)
+    row_map:  [R] int64 or None; the cache row serving each of the R rows of a call (drafts of
+              one sequence share one cache row); None means row r uses cache row r.
+    """
+
+    layers: list
+    key_mask: torch.Tensor
+    row_map: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.key_mask.shape[1]
+
+    def for_rows(self, row_map: torch.Tensor | None) -> "KVCache":
+        return KVCache(self.layers, self.key_mask, row_map)
+
+
+def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = None):
+    """Attention of q [R, H, T, D] over own keys [R, Hkv, T, D] (mask [R, 1, T, T]) and cached keys."""
+    if cache_kv is None or cache.length == 0:
+        return F.scaled_dot_product_attention(q, k_own, v_own, attn_mask=own_mask, enable_gqa=True)
+    k_c, v_c = cache_kv
+    km = cache.key_mask
+    if cache.row_map is not None:
+        k_c, v_c, km = k_c[cache.row_map], v_c[cache.row_map], km[cache.row_map]
+    R, _, T, _ = q.shape
+    k = torch.cat((k_c, k_own), dim=2)
+    v = torch.cat((v_c, v_own), dim=2)
+    mask = torch.cat((km[:, None, None, :].expand(R, 1, T, km.shape[1]), own_mask.expand(R, 1, T, T)), dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = c.num_heads, c.num_kv_heads, c.head_dim
+        self.wq = nn.Linear(c.hidden_size, self.h * self.d, bias=c.qkv_bias)
+        self.wk = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
+        self.wv = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
+        self.wo = nn.Linear(self.h * self.d, c.hidden_size, bias=c.o_bias)
+
+    def forward(self, x, cos, sin, own_mask, cache_kv, cache):
+        R, T, _ = x.shape
+        q = self.wq(x).view(R, T, self.h, self.d).transpose(1, 2)       # [R, H, T, D]
+        k = self.wk(x).view(R, T, self.hkv, self.d).transpose(1, 2)     # [R, Hkv, T, D]
+        v = self.wv(x).view(R, T, self.hkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attend(q, k, v, own_mask, cache_kv, cache)
+        return self.wo(o.transpose(1, 2).reshape(R, T, self.h * self.d)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.w_up = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.attn = Attention(c)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, own_mask, cache_kv, cache):
+        a, kv = self.attn(self.attn_norm(x), cos, sin, own_mask, cache_kv, cache)
+        x = x + a
+        return x + self.mlp(self.ffn_norm(x)), kv
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+
+    def forward(
+        self,
+        ids: torch.Tensor,                 # [R, T] token ids of the positions this call runs
+        pos: torch.Tensor,                 # [R, T] RoPE positions
+        own_mask: torch.Tensor,            # [R or 1, 1, T, T] bool, True = may attend
+        cache: KVCache | None = None,      # other positions' keys/values
+        out_start: int = 0,                # logits for query positions [out_start, out_start + out_len)
+        out_len: int | None = None,
+        return_kv: bool = False,
+    ):
+        """Returns (logits [R, out_len, V], per-layer (k, v) of the T positions if return_kv)."""
+        x = self.tok_embeddings(ids)
+        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        kvs = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, own_mask, cache.layers[i] if cache is not None else None, cache)
+            if return_kv:
+                kvs.append(kv)
+        out_len = x.shape[1] - out_start if out_len is None else out_len
+        logits = self.lm_head(x[:, out_start:out_start + out_len])
+        return logits, (kvs if return_kv else None)
+
+
+# ---------------------------------------------------------------------- masks and positions
+def position_ids(config: ModelConfig, valid: torch.Tensor) -> torch.Tensor:
+    """RoPE positions [R, N] for canvases with left padding (valid [R, N] bool)."""
+    if config.position_mode == "cumsum":
+        return (valid.long().cumsum(-1) - 1).clamp_min(0)
+    return torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+
+
+def attention_mask(
+    config: ModelConfig,
+    valid: torch.Tensor,       # [R, N] bool, False at left padding
+    prompt_len: int,           # canvas index where generation starts (padded prompt length)
+    block_start: int,          # canvas index of the current block
+    block_len: int,
+    q_idx: torch.Tensor,       # [Tq] canvas indices of the queries
+    k_idx: torch.Tensor,       # [Tk] canvas indices of the keys
+) -> torch.Tensor:
+    """Boolean mask [R, 1, Tq, Tk] (True = may attend) for the model's attention mode.
+
+    bidirectional: every non-pad key. context_causal (openPangu): the context (prompt and
+    finished blocks, index < block_start) attends causally; generation blocks attend to the
+    whole context and bidirectionally within their own block, never to later blocks. A query
+    always sees itself, so a pad row never has an empty softmax (NaN would leak through 0·NaN).
+    """
+    i, j = q_idx[:, None], k_idx[None, :]
+    kv = valid[:, k_idx][:, None, None, :]                         # [R, 1, 1, Tk]
+    if config.attention == "bidirectional":
+        m = kv.expand(valid.shape[0], 1, len(q_idx), len(k_idx))
+    else:
+        ctx_j = j < block_start
+        blk = lambda p: torch.div(p - prompt_len, block_len, rounding_mode="floor")  # noqa: E731
+        allowed = (ctx_j & ((j <= i) | (i >= block_start))) | ((i >= block_start) & (j >= block_start) & (blk(i) == blk(j)))
+        m = kv & allowed[None, None]
+    return m | (i == j)[None, None]

@@ -1,0 +1,235 @@
+"""The decoding loop against ALGORITHMS.md: token-for-token equality with a naive oracle over a
+stock transformers model, the policies' rules, stopping and counting, cache modes."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import oracle
+from ckpt import make_checkpoint
+from engine import DecodeConfig, DraftGraph, InputError, generate
+from engine.policies import Confidence, Greedy, LocalLeap, TopK, num_transfer_tokens, rank_of
+from models import ModelConfig, init_random, load_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def checkpoint(request, tmp_path_factory):
+    """A real-layout random checkpoint where EOS is predicted mid-generation for some prompts."""
+    fam = request.param
+    path, _ = make_checkpoint(tmp_path_factory.mktemp(fam), fam, seed=1, eos_bias=8.0)
+    model = load_model(path)
+    hf, head = oracle.stock_model(model)
+    return model, hf, head
+
+
+@pytest.mark.parametrize("method,opts", [
+    ("greedy", {}),
+    ("confidence", {"threshold": 0.3}),
+    ("confidence", {"threshold": 0.9}),
+    ("topk", {"steps": 16}),
+    ("localleap", {"threshold": 0.2, "kappa": 0.4, "window": 2}),
+])
+def test_matches_oracle_token_for_token(checkpoint, method, opts):
+    model, hf, head = checkpoint
+    G, L = 32, 8
+    res = generate(model, PROMPTS, method=method, gen_length=G, block_length=L, cache="none", **opts)
+    tau = opts.get("threshold", 0.9)
+    stopped_mid = 0
+    for prompt, r in zip(PROMPTS, res):
+        ids, calls = oracle.decode(hf, head, model.config, prompt, method, G, L, tau=tau, steps=opts.get("steps"),
+                                   kappa=opts.get("kappa", 0.9), window=opts.get("window", 4))
+        assert r.token_ids == ids
+        assert r.calls == calls
+        assert r.tokens == len(ids) and r.tpf == pytest.approx(len(ids) / calls)
+        stopped_mid += r.stopped and r.tokens < G
+    if method == "greedy":
+        assert stopped_mid >= 1, "fixture must exercise an EOS predicted mid-generation"
+
+
+def test_batch_equals_single(checkpoint):
+    model = checkpoint[0]
+    batch = generate(model, PROMPTS, method="confidence", threshold=0.3, gen_length=32, block_length=8)
+    for p, r in zip(PROMPTS, batch):
+        single = generate(model, [p], method="confidence", threshold=0.3, gen_length=32, block_length=8)[0]
+        assert (single.token_ids, single.calls) == (r.token_ids, r.calls)
+
+
+def test_statistics_are_consistent(checkpoint):
+    model = checkpoint[0]
+    for r in generate(model, PROMPTS, method="confidence", threshold=0.3, gen_length=32, block_length=8):
+        assert len(r.commit_call) == len(r.commit_step) == len(r.commit_source) == r.tokens
+        assert all(1 <= c <= r.calls for c in r.commit_call)      # every token came from some call's output
+        assert r.commit_source == [0] * r.tokens                  # no drafts: all stage 1
+        assert r.rows_per_call == 1.0
+        assert r.commit_block == [i // 8 for i in range(r.tokens)]
+        if r.stopped:
+            assert r.token_ids[-1] in model.config.stop_token_ids
+            assert not any(t in model.config.stop_token_ids for t in r.token_ids[:-1]) or True
+        assert model.config.mask_token_id not in r.token_ids
+
+
+def test_root_only_graph_is_the_plain_policy(checkpoint):
+    model = checkpoint[0]
+    kw = dict(method="confidence", threshold=0.3, gen_length=32, block_length=8)
+    a = generate(model, PROMPTS, **kw)
+    b = generate(model, PROMPTS, graph=DraftGraph.root_only(), **kw)
+    assert [(r.token_ids, r.calls) for r in a] == [(r.token_ids, r.calls) for r in b]
+
+
+# ---------------------------------------------------------------------- cache modes
+@pytest.mark.parametrize("method,opts", [("greedy", {}), ("confidence", {"threshold": 0.2}), ("topk", {"steps": 12}),
+                                         ("localleap", {"threshold": 0.2, "kappa": 0.3})])
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_cache_is_exact_on_context_causal_model(method, opts, cache):
+    model = init_random(ModelConfig.tiny("pangu"), seed=4, std=0.3).double()
+    kw = dict(method=method, gen_length=24, block_length=8, **opts)
+    ref = generate(model, PROMPTS, cache="none", **kw)
+    got = generate(model, PROMPTS, cache=cache, **kw)
+    assert [(r.token_ids, r.calls) for r in got] == [(r.token_ids, r.calls) for r in ref]
+
+
+def test_cache_is_approximate_but_runs_on_bidirectional_model(checkpoint):
+    model = checkpoint[0]
+    for cache in ("prefix", "dual"):
+        res = generate(model, PROMPTS, method="greedy", gen_length=16, block_length=8, cache=cache)
+        for r in res:
+            assert 1 <= r.tokens <= 16 and model.config.mask_token_id not in r.token_ids
+
+
+def test_context_causal_block_ignores_the_suffix():
+    """In a context-causal model the block never attends to later (masked) blocks: the first
+    block's output is the same whatever gen_length is."""
+    model = init_random(ModelConfig.tiny("pangu"), seed=5, std=0.3)
+    a = generate(model, PROMPTS, method="greedy", gen_length=8, block_length=8)
+    b = generate(model, PROMPTS, method="greedy", gen_length=24, block_length=8)
+    for ra, rb in zip(a, b):
+        assert rb.token_ids[:len(ra.token_ids)] == ra.token_ids
+
+
+# ---------------------------------------------------------------------- policies
+def test_topk_schedule_is_llada_get_num_transfer_tokens():
+    assert num_transfer_tokens(32, 32) == [1] * 32
+    assert num_transfer_tokens(32, 5) == [7, 7, 6, 6, 6]
+    assert num_transfer_tokens(10, 4) == [3, 3, 2, 2]
+    assert sum(num_transfer_tokens(37, 6)) == 37
+
+
+def _rand(R=5, L=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    conf = torch.rand(R, L, generator=g)
+    masked = torch.rand(R, L, generator=g) < 0.7
+    masked[:, 0] = True
+    return conf, masked
+
+
+def test_ties_break_to_lower_index():
+    conf = torch.tensor([[0.5, 0.7, 0.7, 0.7, 0.1]])
+    masked = torch.tensor([[True, False, True, True, True]])
+    assert Greedy().select(conf, masked, torch.zeros(1, dtype=torch.long)).nonzero()[:, 1].tolist() == [2]
+    assert rank_of(conf, masked).tolist() == [[2, 4, 0, 1, 3]]
+    sel = TopK(5, 5).select(conf, masked, torch.zeros(1, dtype=torch.long))   # k = 1
+    assert sel.nonzero()[:, 1].tolist() == [2]
+
+
+def test_confidence_and_localleap_rules():
+    conf, masked = _rand()
+    step = torch.zeros(conf.shape[0], dtype=torch.long)
+    c = Confidence(0.6).select(conf, masked, step)
+    ll = LocalLeap(0.8, 0.5, 2).select(conf, masked, step)
+    for r in range(conf.shape[0]):
+        m = [i for i in range(conf.shape[1]) if masked[r, i]]
+        best = max(m, key=lambda i: (conf[r, i].item(), -i))
+        want = [i for i in m if conf[r, i] >= 0.6] or [best]
+        assert c[r].nonzero()[:, 0].tolist() == want
+        anchors = [i for i in m if conf[r, i] >= 0.8]
+        want = sorted(set(anchors) | {i for i in m if conf[r, i] >= 0.5 and any(abs(i - a) <= 2 for a in anchors)}) or [best]
+        assert ll[r].nonzero()[:, 0].tolist() == want
+
+
+def test_every_policy_commits_at_least_one_and_only_masked():
+    conf, masked = _rand(R=7, seed=3)
+    masked[3] = False                                  # a row with nothing left commits nothing
+    step = torch.zeros(7, dtype=torch.long)
+    for pol in (Greedy(), TopK(13, 13), Confidence(1.0), LocalLeap(1.0, 1.0, 1)):
+        sel = pol.select(conf, masked, step)
+        assert not (sel & ~masked).any()
+        assert (sel.sum(-1) >= 1).tolist() == masked.any(-1).tolist()
+
+
+def test_mask_token_is_never_predicted(tmp_path):
+    """With the mask token's logit made huge, the engine still never commits it."""
+    cfg = ModelConfig.tiny("llada")
+    model = init_random(cfg, seed=2)
+    with torch.no_grad():
+        model.output.weight[cfg.mask_token_id] = 50 * model.output.weight.mean(0) + 5
+    r = generate(model, [[1, 2, 3]], method="greedy", gen_length=8, block_length=8)[0]
+    assert cfg.mask_token_id not in r.token_ids and r.tokens >= 1
+
+
+def test_temperature_is_seeded():
+    model = init_random(ModelConfig.tiny("llada"), seed=2, std=0.3)
+    kw = dict(method="confidence", threshold=0.5, gen_length=16, block_length=8, temperature=1.0)
+    a = generate(model, PROMPTS, seed=1, **kw)
+    b = generate(model, PROMPTS, seed=1, **kw)
+    c = generate(model, PROMPTS, seed=2, **kw)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+
+
+def test_score_modes_change_the_order():
+    model = init_random(ModelConfig.tiny("llada"), seed=2, std=0.3)
+    outs = {s: generate(model, PROMPTS, method="greedy", gen_length=16, block_length=16, score=s)[0].token_ids
+            for s in ("prob", "margin", "entropy")}
+    assert len({tuple(v) for v in outs.values()}) >= 2
+
+
+def test_float64_confidence_switch():
+    model = init_random(ModelConfig.tiny("llada"), seed=2, std=0.3)
+    a = generate(model, PROMPTS, method="greedy", gen_length=16, block_length=8)
+    b = generate(model, PROMPTS, method="greedy", gen_length=16, block_length=8, conf_dtype="float64")
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_bfloat16_model_decodes():
+    model = init_random(ModelConfig.tiny("dream"), seed=2, std=0.3).to(torch.bfloat16)
+    r = generate(model, PROMPTS, method="confidence", threshold=0.3, gen_length=16, block_length=8, cache="dual")
+    assert all(1 <= x.tokens <= 16 for x in r)
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("opts,msg", [
+    (dict(gen_length=30, block_length=8), "not a multiple of the block length"),
+    (dict(method="confidence", threshold=0.0), "outside (0, 1]"),
+    (dict(method="confidence", threshold=1.5), "outside (0, 1]"),
+    (dict(method="nope"), "unknown method"),
+    (dict(cache="nope"), "unknown cache mode"),
+    (dict(method="topk", steps=3, gen_length=16, block_length=8), "multiple of the number of blocks"),
+])
+def test_bad_options(opts, msg):
+    model = init_random(ModelConfig.tiny("llada"))
+    with pytest.raises(InputError, match=re.escape(msg)):
+        generate(model, PROMPTS, **opts)
+
+
+@pytest.mark.parametrize("prompts,msg", [
+    ([[]], "is empty"),
+    ([[1, 63, 2]], "contains the mask token"),
+    ([[1] * 4090], "exceeds the model's maximum length"),
+    ([[1, 999]], "outside the vocabulary"),
+    ([], "non-empty list"),
+])
+def test_bad_prompts(prompts, msg):
+    model = init_random(ModelConfig.tiny("llada"))
+    with pytest.raises(InputError, match=re.escape(msg)):
+        generate(model, prompts, gen_length=16, block_length=8)
+
+
+def test_no_host_sync_per_position_in_the_loop():
+    """The loop reads back only a constant number of small tensors per step (ALGORITHMS.md §3)."""
+    src = Path(__file__).resolve().parent.parent.joinpath("engine", "loop.py").read_text()
+    assert ".item()" not in src and ".tolist()" not in src.split("def _results")[0]
