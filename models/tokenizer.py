@@ -39,7 +39,7 @@ class Tokenizer:
         return self._tok.encode(text).ids
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids if 0 <= int(i) < self.size]
+        ids = [int(i) for i in ids if int(i) >= 0 and self._tok.id_to_token(int(i)) is not None]
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def token_id(self, token: str) -> int | None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import oracle
-from ckpt import make_checkpoint
+from models.random_checkpoint import make_checkpoint
 from engine import DecodeConfig, DraftGraph, InputError, generate
 from engine.policies import Confidence, Greedy, LocalLeap, TopK, num_transfer_tokens, rank_of
 from models import ModelConfig, init_random, load_model

@@ -1,19 +1,31 @@
-"""Builders for small real-layout checkpoint directories with random weights (used by tests)."""
+"""Small real-layout checkpoint directories with random weights: for tests, and for trying the
+engine or an integration without any real weights.
+
+    python -m models.random_checkpoint OUT_DIR [--family llada|dream|pangu] [--seed N]
+
+writes config.json, model.safetensors, tokenizer.json (word-level: word `t<i>` is token i) and a
+tokenizer_config.json with a chat template, in the chosen family's real layout.
+"""
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from models import ModelConfig, init_random, save_checkpoint
+from .checkpoint import init_random, save_checkpoint
+from .config import FAMILIES, ModelConfig
 
 
 def make_tokenizer(path: Path, vocab_size: int, specials: dict[int, str]) -> None:
-    """A word-level tokenizer.json whose ids coincide with the model's: word `t{i}` is id i."""
+    """A word-level tokenizer.json whose ids coincide with the model's: word `t{i}` is id i for
+    i < vocab_size, plus the special tokens at their own ids (possibly beyond vocab_size)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {specials.get(i, f"t{i}"): i for i in range(vocab_size)}
+    vocab = {f"t{i}": i for i in range(vocab_size) if i not in specials}
+    vocab.update({v: k for k, v in specials.items()})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
@@ -37,7 +49,24 @@ def make_checkpoint(path: Path, family: str = "llada", seed: int = 0, std: float
     path = Path(path)
     save_checkpoint(model, path, shard_bytes=shard_bytes)
     specials = {cfg.mask_token_id: "<|mask|>", cfg.eos_token_id: "<|eos|>"}
-    make_tokenizer(path, tokenizer_size or cfg.vocab_size, {k: v for k, v in specials.items() if k < (tokenizer_size or cfg.vocab_size)})
+    make_tokenizer(path, tokenizer_size or cfg.vocab_size, specials)
     (path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": "{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}<|assistant|>"}))
     return path, model
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.random_checkpoint", description="write a tiny random checkpoint")
+    p.add_argument("out", help="directory to write")
+    p.add_argument("--family", default="llada", choices=FAMILIES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eos-bias", type=float, default=8.0, help="make EOS likely so generations stop early")
+    args = p.parse_args(argv)
+    path, model = make_checkpoint(Path(args.out), args.family, seed=args.seed, eos_bias=args.eos_bias)
+    n = sum(t.numel() for t in model.parameters())
+    print(f"wrote a random {args.family} checkpoint ({n} parameters) to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

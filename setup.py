@@ -1,0 +1,26 @@
+"""psd-engine: Parallel Speculative Decoding for diffusion language models, on Triton kernels.
+
+Install with `bash install.sh` (it installs a CPU build of torch first on machines without CUDA,
+so pip never pulls several GB of CUDA wheels), or `pip install -e .[test]` where torch is present.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="psd-engine",
+    version="0.1.0",
+    description="Parallel Speculative Decoding (PSD) engine for diffusion language models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["psd_kernels*", "engine*", "models*", "bench*"]),
+    install_requires=[
+        "torch>=2.4",                      # satisfied by the CPU build install.sh puts first
+        "numpy",
+        "safetensors",
+        "tokenizers",
+        "jinja2",                          # chat templates (--chat)
+        "triton>=3.0; platform_system == 'Linux'",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=4.45"],
+        "cuda": ["flash-attn"],            # optional; used only when importable on CUDA
+    },
+)

@@ -1,0 +1,158 @@
+"""`python -m engine.generate`: output formats, and one-line errors with exit status 2 for every
+kind of bad input (never a traceback)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.random_checkpoint import make_checkpoint
+from engine.generate import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("cli") / "llada", "llada", seed=1, eos_bias=8.0,
+                              tokenizer_size=60)      # tokenizer smaller than the embedding, as real LLaDA
+    return path
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output(ckpt, capsys):
+    code, out, err = run(["t5 t6 t7", "--model", ckpt, "--method", "confidence", "--threshold", "0.3",
+                          "--gen-length", "16", "--block-length", "8", "--json"], capsys)
+    assert code == 0 and err == ""
+    obj = json.loads(out)
+    for key in ("text", "token_ids", "calls", "tokens", "tpf", "seconds", "method"):
+        assert key in obj
+    assert obj["method"] == "confidence" and obj["tokens"] == len(obj["token_ids"]) <= 16
+    assert obj["tpf"] == pytest.approx(obj["tokens"] / obj["calls"])
+
+
+def test_plain_output_and_undecodable_ids(ckpt, capsys):
+    code, out, err = run(["t5 t6 t7", "--model", ckpt, "--gen-length", "16", "--block-length", "8"], capsys)
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[-1].startswith("[greedy cache=none] tokens=")
+    assert "calls=" in lines[-1] and "tpf=" in lines[-1]
+
+
+def test_prompt_from_file_and_stdin(ckpt, capsys, tmp_path, monkeypatch):
+    f = tmp_path / "p.txt"
+    f.write_text("t5 t6 t7")
+    base = ["--model", ckpt, "--gen-length", "8", "--block-length", "8", "--json"]
+    a = json.loads(run(["--prompt-file", f, *base], capsys)[1])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("t5 t6 t7"))
+    b = json.loads(run(["-", *base], capsys)[1])
+    c = json.loads(run(["t5 t6 t7", *base], capsys)[1])
+    assert a["token_ids"] == b["token_ids"] == c["token_ids"]
+
+
+def test_chat_template(ckpt, capsys):
+    code, out, _ = run(["t5", "--chat", "--model", ckpt, "--gen-length", "8", "--block-length", "8", "--json"], capsys)
+    assert code == 0 and json.loads(out)["tokens"] >= 1
+
+
+def _broken(ckpt, tmp_path, edit):
+    import shutil
+
+    d = tmp_path / "broken"
+    shutil.copytree(ckpt, d)
+    edit(d)
+    return d
+
+
+def _edit_config(**kv):
+    def f(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(kv)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return f
+
+
+def _drop_tensor(d):
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(d / "model.safetensors"))
+    del sd["model.transformer.blocks.0.up_proj.weight"]
+    save_file(sd, str(d / "model.safetensors"))
+
+
+def _bad_shape(d):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.transformer.ln_f.weight"] = torch.ones(3)
+    save_file(sd, str(d / "model.safetensors"))
+
+
+BAD = [
+    ("missing model dir", lambda c, t: ["t5", "--model", t / "nope"], "does not exist"),
+    ("model path is a file", lambda c, t: ["t5", "--model", c / "config.json"], "not a directory"),
+    ("unreadable config", lambda c, t: ["t5", "--model", _broken(c, t, lambda d: (d / "config.json").write_text("{oops"))], "cannot read"),
+    ("unknown model_type", lambda c, t: ["t5", "--model", _broken(c, t, _edit_config(model_type="gpt2"))], "unknown model_type 'gpt2'"),
+    ("missing tensor", lambda c, t: ["t5", "--model", _broken(c, t, _drop_tensor)], "missing tensor model.transformer.blocks.0.up_proj.weight"),
+    ("shape mismatch", lambda c, t: ["t5", "--model", _broken(c, t, _bad_shape)], "tensor model.transformer.ln_f.weight has shape [3], the config implies [64]"),
+    ("empty prompt", lambda c, t: ["", "--model", c], "prompt is empty"),
+    ("too long", lambda c, t: ["t5 t6 t7", "--model", _broken(c, t, _edit_config(max_sequence_length=40)), "--gen-length", "64"], "exceeds the model's maximum length 40"),
+    ("gen not multiple", lambda c, t: ["t5", "--model", c, "--gen-length", "20", "--block-length", "8"], "not a multiple of the block length"),
+    ("threshold zero", lambda c, t: ["t5", "--model", c, "--method", "confidence", "--threshold", "0"], "outside (0, 1]"),
+    ("threshold big", lambda c, t: ["t5", "--model", c, "--method", "confidence", "--threshold", "1.01"], "outside (0, 1]"),
+    ("unknown method", lambda c, t: ["t5", "--model", c, "--method", "beam"], "invalid choice: 'beam'"),
+    ("unknown cache", lambda c, t: ["t5", "--model", c, "--cache", "triple"], "invalid choice: 'triple'"),
+    ("mask token in prompt", lambda c, t: ["t5 <|mask|> t6", "--model", c], "contains the mask token"),
+    ("no prompt", lambda c, t: ["--model", c], "no prompt given"),
+    ("missing prompt file", lambda c, t: ["--prompt-file", t / "nope.txt", "--model", c], "cannot read prompt file"),
+    ("no model", lambda c, t: ["t5"], "--model"),
+]
+
+
+@pytest.mark.parametrize("name,argv,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_one_line_exit_2(ckpt, tmp_path, capsys, name, argv, msg):
+    if name == "no model" and (ROOT / "models" / "default" / "config.json").is_file():
+        pytest.skip("a default model is shipped")
+    with pytest.raises(SystemExit) if "invalid choice" in msg else _nullcontext() as exc:
+        code = main([str(a) for a in argv(ckpt, tmp_path)])
+    if exc is not None and hasattr(exc, "value"):
+        code = exc.value.code
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert msg in lines[0]
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["t5", "--model", "/nonexistent/model"], "does not exist"),
+    (["t5", "--model", "{ckpt}", "--method", "beam"], "invalid choice"),
+    (["", "--model", "{ckpt}"], "prompt is empty"),
+])
+def test_subprocess_exit_status_and_no_traceback(ckpt, argv, msg):
+    argv = [a.replace("{ckpt}", str(ckpt)) for a in argv]
+    p = subprocess.run([sys.executable, "-m", "engine.generate", *argv], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1 and msg in p.stderr
