@@ -1,0 +1,270 @@
+"""Helpers shared by the task suites: a version-stable PRNG, JSONL I/O,
+prompt normalisation, the GSM8K number matcher and the code extractor."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+_MASK64 = (1 << 64) - 1
+
+
+class Rng:
+    """Small splitmix64 generator.
+
+    Used instead of :mod:`random` so that the committed held-out files are
+    reproducible byte for byte on any Python version and platform.
+    """
+
+    def __init__(self, seed: int, stream: str = "") -> None:
+        digest = hashlib.sha256(f"{int(seed)}:{stream}".encode()).digest()
+        self._state = int.from_bytes(digest[:8], "little")
+
+    def next64(self) -> int:
+        self._state = (self._state + 0x9E3779B97F4A7C15) & _MASK64
+        z = self._state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    def randint(self, lo: int, hi: int) -> int:
+        """Uniform integer in [lo, hi] (both inclusive)."""
+        if hi < lo:
+            raise ValueError(f"empty range [{lo}, {hi}]")
+        return lo + self.next64() % (hi - lo + 1)
+
+    def choice(self, seq: Sequence):
+        if not seq:
+            raise ValueError("choice from an empty sequence")
+        return seq[self.next64() % len(seq)]
+
+    def random(self) -> float:
+        return (self.next64() >> 11) / float(1 << 53)
+
+    def sample(self, seq: Sequence, k: int) -> list:
+        pool = list(seq)
+        out = []
+        for _ in range(k):
+            out.append(pool.pop(self.next64() % len(pool)))
+        return out
+
+
+# --------------------------------------------------------------------------
+# files
+
+
+def require_file(path) -> Path:
+    """Return ``Path(path)``; raise a one-line FileNotFoundError if missing."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"task data file not found: {p}")
+    return p
+
+
+def read_jsonl(path) -> list[dict]:
+    """Read a .jsonl or .jsonl.gz file (one JSON object per non-blank line)."""
+    p = require_file(path)
+    opener = gzip.open if p.name.endswith(".gz") else open
+    out = []
+    with opener(p, "rt", encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                out.append(json.loads(line))
+    return out
+
+
+def dumps_jsonl(records: Iterable[dict]) -> str:
+    """Canonical JSONL text: sorted keys, ASCII, '\\n' line ends."""
+    return "".join(json.dumps(r, sort_keys=True, ensure_ascii=True) + "\n" for r in records)
+
+
+def write_jsonl(path, records: Iterable[dict]) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "w", encoding="ascii", newline="\n") as f:
+        f.write(dumps_jsonl(records))
+
+
+_NORM_RE = re.compile(r"[^a-z0-9]+")
+
+
+def normalize_prompt(text: str) -> str:
+    """Lower-case, drop punctuation, collapse whitespace (for disjointness)."""
+    return " ".join(_NORM_RE.sub(" ", text.lower()).split())
+
+
+# --------------------------------------------------------------------------
+# few-shot formatting shared by the "Question: ... Answer:" suites
+
+QA_SHOT_SEPARATOR = "\n\n"
+
+
+def qa_prompt(question: str, answer_sep: str, few_shot: Iterable[dict] = ()) -> str:
+    parts = [f"Question: {s['prompt']}\nAnswer:{answer_sep}{s['answer']}" for s in few_shot]
+    parts.append(f"Question: {question}\nAnswer:{answer_sep}")
+    return QA_SHOT_SEPARATOR.join(parts)
+
+
+# --------------------------------------------------------------------------
+# GSM8K-style number matching
+
+_AFTER_HASHES = re.compile(r"####\s*(-?\$?\s*-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+_NUMBER = re.compile(r"-?\$?-?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
+def _to_number(tok: str) -> float | None:
+    tok = tok.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    try:
+        return float(tok)
+    except ValueError:
+        return None
+
+
+def extract_answer_number(text: str) -> float | None:
+    """The answer a completion gives, as GSM8K's flexible match reads it.
+
+    The number after the first ``####`` that is followed by a number; if
+    there is none, the last number anywhere in the text.  Commas, ``$`` and a
+    trailing ``.`` are stripped.  Returns None if the text has no number.
+    """
+    m = _AFTER_HASHES.search(text)
+    if m:
+        return _to_number(m.group(1))
+    nums = _NUMBER.findall(text)
+    for tok in reversed(nums):
+        v = _to_number(tok)
+        if v is not None:
+            return v
+    return None
+
+
+def numbers_equal(pred: float | None, target) -> bool:
+    if pred is None:
+        return False
+    t = _to_number(str(target))
+    if t is None:
+        return False
+    return abs(pred - t) <= 1e-6 * max(1.0, abs(t))
+
+
+# --------------------------------------------------------------------------
+# code extraction
+
+_FENCE = re.compile(r"```[ \t]*[A-Za-z0-9_+-]*[ \t]*\n(.*?)(?:```|\Z)", re.S)
+_BLOCK_START = re.compile(r"(def |async def |class |@|import |from )")
+_IMPORT = re.compile(r"(import |from \S+ import )")
+_DEF_NAME = re.compile(r"(?:async\s+)?def\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(")
+
+
+def _compiles(src: str) -> bool:
+    try:
+        compile(src, "<extracted>", "exec")
+        return True
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+
+
+def _block_name(block: list[str]) -> str | None:
+    """Name defined by a top-level def block (after any decorators)."""
+    for x in block:
+        if x and x[0] not in " \t":
+            mm = _DEF_NAME.match(x)
+            if mm:
+                return mm.group(1)
+    return None
+
+
+def extract_code(completion: str, entry_point: str | None = None) -> str | None:
+    """Pull the function definition(s) out of a model completion.
+
+    Rule (documented in docs/tasks.md):
+
+    1. ``\\r\\n`` -> ``\\n``; if the text contains a ``` fence, only the
+       first fenced block is used.
+    2. Find the first line that starts (column 0) with ``def ``; no such line
+       -> ``None`` (the completion scores False).
+    3. Keep the top-level ``import``/``from`` lines that appear before it.
+    4. From that ``def`` on, keep whole top-level blocks that start with
+       ``def``/``async def``/``class``/``@``/``import``/``from``; a block is
+       its first line plus every following line that is blank or indented.
+       Top-level ``#`` comment lines are skipped.  Stop at the first other
+       non-blank top-level line (junk such as ``Question: ...``, ``print(``,
+       ``assert``, prose).
+    5. If the result does not compile, drop trailing blocks (keeping at least
+       the block that defines ``entry_point``, or the first block) until it
+       does; if even that does not compile it is returned as is and fails in
+       the sandbox.
+    """
+    text = completion.replace("\r\n", "\n").replace("\r", "\n")
+    m = _FENCE.search(text)
+    if m:
+        text = m.group(1)
+    lines = text.split("\n")
+    start = next((i for i, ln in enumerate(lines)
+                  if ln.startswith("def ") or ln.startswith("async def ")), None)
+    if start is None:
+        return None
+    imports = [ln.rstrip() for ln in lines[:start] if _IMPORT.match(ln)]
+
+    blocks: list[list[str]] = []
+    i = start
+    while i < len(lines):
+        ln = lines[i]
+        if not ln.strip() or ln.startswith("#"):
+            i += 1
+            continue
+        if ln[0] in " \t":  # stray indented line between blocks: junk
+            break
+        if not _BLOCK_START.match(ln):
+            break
+        block = [ln]
+        i += 1
+        # decorators continue onto the next top-level def/class line
+        while block[-1].startswith("@") and i < len(lines) and _BLOCK_START.match(lines[i]):
+            block.append(lines[i])
+            i += 1
+        while i < len(lines) and (not lines[i].strip() or lines[i][0] in " \t"):
+            block.append(lines[i])
+            i += 1
+        while block and not block[-1].strip():
+            block.pop()
+        blocks.append(block)
+
+    def render(bs: list[list[str]]) -> str:
+        head = "\n".join(imports)
+        body = "\n\n".join("\n".join(b) for b in bs)
+        return (head + "\n" + body if head else body) + "\n"
+
+    keep = 1
+    if entry_point:
+        for k, b in enumerate(blocks):
+            if _block_name(b) == entry_point:
+                keep = k + 1
+                break
+    for n in range(len(blocks), keep - 1, -1):
+        src = render(blocks[:n])
+        if _compiles(src):
+            return src
+    return render(blocks[:keep])
+
+
+def truncate_at(text: str, stops: Iterable[str]) -> str:
+    """Cut ``text`` at the earliest occurrence of any stop string."""
+    cut = len(text)
+    for s in stops:
+        j = text.find(s)
+        if j != -1:
+            cut = min(cut, j)
+    return text[:cut]
+
+
+def iter_chunks(seq: Sequence, size: int) -> Iterator[Sequence]:
+    for i in range(0, len(seq), size):
+        yield seq[i:i + size]
