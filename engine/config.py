@@ -5,13 +5,17 @@ from dataclasses import dataclass
 
 from .errors import InputError
 from .graph import DraftGraph
-from .policies import Confidence, Greedy, LocalLeap, Policy, TopK
+from .policies import Confidence, CrossBlock, Greedy, LocalLeap, Policy, TopK
 
-METHODS = ("greedy", "topk", "confidence", "localleap")
+POLICIES = ("greedy", "topk", "confidence", "localleap")
+METHODS = POLICIES + ("spiffy", "psd", "lopa", "ete", "fdm")
 CACHE_MODES = ("none", "prefix", "dual")
 SCORES = ("prob", "margin", "entropy")
 CONF_DTYPES = ("float32", "float64")
 ACCEPTANCE = ("policy", "exact")
+# how the kept draft is chosen: hierarchical acceptance (PSD/Spiffy), LoPA's best mean
+# confidence, or FDM's trust in the drafting step's own confidence (reconstruction, docs/methods.md)
+SELECTIONS = ("hierarchical", "best_score", "draft_conf")
 
 
 @dataclass
@@ -28,8 +32,11 @@ class DecodeConfig:
     temperature: float = 0.0
     seed: int = 0
     conf_dtype: str = "float32"       # float64 for parity with references that use it
-    graph: DraftGraph | None = None   # None = root only (the plain policy)
-    acceptance: str = "policy"        # draft acceptance: the policy's own criterion, or "exact" (lossless)
+    graph: DraftGraph | None = None   # spiffy/psd: draft graph (default: the chain of `depth`)
+    depth: int = 3                    # spiffy/psd: chain depth when no graph is given
+    policy_name: str = "confidence"   # psd: the spatial policy under the speculation
+    acceptance: str = "policy"        # psd: the policy's own criterion, or "exact" (lossless)
+    k: int = 3                        # lopa: branches; ete: blocks in the window; fdm: future steps
 
     def validate(self) -> "DecodeConfig":
         if self.method not in METHODS:
@@ -56,7 +63,15 @@ class DecodeConfig:
             raise InputError(f"window must be >= 0, got {self.window}")
         if self.temperature < 0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if self.method == "topk":
+        if self.policy_name not in POLICIES:
+            raise InputError(f"unknown policy {self.policy_name!r}; expected one of {', '.join(POLICIES)}")
+        if self.depth < 0:
+            raise InputError(f"draft depth must be >= 0, got {self.depth}")
+        if self.k < 1:
+            raise InputError(f"k must be >= 1, got {self.k}")
+        if self.graph is not None and self.method not in ("spiffy", "psd"):
+            raise InputError(f"a draft graph applies to spiffy and psd, not to {self.method}")
+        if self.spatial == "topk":
             blocks = self.gen_length // self.block_length
             steps = self.gen_length if self.steps is None else self.steps
             if steps < blocks or steps % blocks:
@@ -67,15 +82,54 @@ class DecodeConfig:
     def num_blocks(self) -> int:
         return self.gen_length // self.block_length
 
+    @property
+    def spatial(self) -> str:
+        """The stage-1 policy this method runs."""
+        return {"spiffy": "greedy", "psd": self.policy_name, "lopa": "confidence", "ete": "confidence",
+                "fdm": "greedy"}.get(self.method, self.method)
+
     def policy(self) -> Policy:
-        if self.method == "greedy":
+        name = self.spatial
+        if name == "greedy":
             return Greedy()
-        if self.method == "topk":
+        if name == "topk":
             steps = self.gen_length if self.steps is None else self.steps
             return TopK(self.block_length, steps // self.num_blocks)
-        if self.method == "confidence":
-            return Confidence(0.9 if self.threshold is None else self.threshold)
-        return LocalLeap(self.kappa, 0.75 if self.threshold is None else self.threshold, self.window)
+        tau = self.threshold
+        if self.method == "ete":
+            return CrossBlock(0.9 if tau is None else tau, self.block_length)
+        if name == "confidence":
+            return Confidence(0.9 if tau is None else tau)
+        return LocalLeap(self.kappa, 0.75 if tau is None else tau, self.window)
 
     def draft_graph(self) -> DraftGraph:
-        return self.graph if self.graph is not None else DraftGraph.root_only()
+        if self.method in ("spiffy", "psd"):
+            return self.graph if self.graph is not None else DraftGraph.chain(self.depth)
+        if self.method == "lopa":      # branch j adds the j-th next most confident position
+            return DraftGraph([[]] + [[j] for j in range(self.k - 1)])
+        if self.method == "fdm":       # the current state and k future greedy states
+            return DraftGraph.chain(self.k)
+        return DraftGraph.root_only()
+
+    @property
+    def selection(self) -> str:
+        return {"lopa": "best_score", "fdm": "draft_conf"}.get(self.method, "hierarchical")
+
+    @property
+    def exact(self) -> bool:
+        return self.method == "spiffy" or (self.method == "psd" and self.acceptance == "exact")
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks whose masked positions are eligible in one step (ETE's cross-block window)."""
+        return self.k if self.method == "ete" else 1
+
+    def describe(self) -> str:
+        pol = self.policy().describe()
+        if self.method in ("spiffy", "psd"):
+            g = self.draft_graph()
+            shape = f"d={self.depth}" if self.graph is None else f"graph={len(g)} nodes,d={g.depth}"
+            return f"{self.method}({pol},{shape},{'exact' if self.exact else 'policy'})"
+        if self.method in ("lopa", "ete", "fdm"):
+            return f"{self.method}(k={self.k},{pol})"
+        return pol

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer
 
-from .config import ACCEPTANCE, CACHE_MODES, CONF_DTYPES, METHODS, SCORES, DecodeConfig
+from .config import ACCEPTANCE, CACHE_MODES, CONF_DTYPES, METHODS, POLICIES, SCORES, DecodeConfig
+from .graph import DraftGraph
 from .errors import InputError
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
@@ -38,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", default="none", choices=CACHE_MODES)
     p.add_argument("--score", default="prob", choices=SCORES)
     p.add_argument("--conf-dtype", default="float32", choices=CONF_DTYPES)
-    p.add_argument("--acceptance", default="policy", choices=ACCEPTANCE, help=argparse.SUPPRESS)
+    p.add_argument("--policy", default="confidence", choices=POLICIES, help="psd: the spatial policy")
+    p.add_argument("--depth", type=int, default=3, help="spiffy/psd: depth of the default chain draft graph")
+    p.add_argument("--graph", help="spiffy/psd: draft graph JSON file (list of rank lists)")
+    p.add_argument("--acceptance", default="policy", choices=ACCEPTANCE,
+                   help="psd: the policy's own criterion, or exact (lossless)")
+    p.add_argument("--k", type=int, default=3, help="lopa: branches; ete: blocks per window; fdm: future steps")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=[d for d in DTYPES if d != "float16"])
@@ -81,7 +87,8 @@ def run(args: argparse.Namespace) -> dict:
     dc = DecodeConfig(method=args.method, gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                       threshold=args.threshold, kappa=args.kappa, window=args.window, cache=args.cache,
                       score=args.score, temperature=args.temperature, seed=args.seed, conf_dtype=args.conf_dtype,
-                      acceptance=args.acceptance).validate()
+                      acceptance=args.acceptance, policy_name=args.policy, depth=args.depth, k=args.k,
+                      graph=DraftGraph.load(args.graph) if args.graph else None).validate()
     if args.model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").is_file():
             raise InputError("--model DIR is required (no default model is shipped yet)")
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
     res = Decoder(model, dc).generate([tok.encode(text)])[0]
     res.text = tok.decode(res.token_ids)
     out = res.as_dict()
-    out.update(method=dc.method, policy=dc.policy().describe(), cache=dc.cache, model=str(model_dir), dtype=args.dtype, device=device)
+    out.update(method=dc.method, policy=dc.describe(), cache=dc.cache, model=str(model_dir), dtype=args.dtype, device=device)
     return out
 
 

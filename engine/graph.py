@@ -65,7 +65,7 @@ class DraftGraph:
 
     def save(self, path: str | Path, **meta) -> None:
         body = {"nodes": [sorted(s) for s in self.nodes], **meta}
-        Path(path).write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+        Path(path).write_text(json.dumps(body) + "\n", encoding="utf-8")
 
     # ---------------------------------------------------------------- views
     def __len__(self) -> int:

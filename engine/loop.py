@@ -27,6 +27,7 @@ import torch
 import psd_kernels
 from models import KVCache, Transformer, attention_mask, position_ids
 
+from . import acceptance
 from .config import DecodeConfig
 from .errors import InputError
 from .policies import rank_of
@@ -80,7 +81,12 @@ def check_prompts(mc, dc: DecodeConfig, prompts) -> list[list[int]]:
 class Decoder:
     """Decodes batches of prompts (token id lists) with one model and one `DecodeConfig`."""
 
-    def __init__(self, model: Transformer, config: DecodeConfig | None = None):
+    def __init__(self, model: Transformer, config: DecodeConfig | None = None, trace=None):
+        """`trace(rows, block, step, ranks, pred)`, if given, is called after every stage 1 with the
+        rows (batch indices) that go on, the block index, the step index just taken, the rank of
+        every block position in σ [A, W] (masked positions first) and the predictions [A, W]
+        drafts would use (offline tools such as graph calibration; it may sync freely)."""
+        self.trace = trace
         self.model = model
         self.mc = model.config
         self.dc = (config or DecodeConfig()).validate()
@@ -112,12 +118,12 @@ class Decoder:
         n = x.shape[1]
         idx = torch.arange(n, device=x.device)
         mask = attention_mask(self.mc, valid, self.P, lo, self.L, idx, idx)
-        return self.model(x, pos, mask, out_start=lo - self.mc.logit_shift, out_len=self.L, return_kv=return_kv)
+        return self.model(x, pos, mask, out_start=lo - self.mc.logit_shift, out_len=self.W, return_kv=return_kv)
 
     def _query_span(self, lo: int, n: int) -> tuple[int, int]:
-        """Canvas span a cached call runs: the block, one position before it for a logit shift,
-        and (prefix mode, bidirectional models) the suffix."""
-        hi = lo + self.L
+        """Canvas span a cached call runs: the active window (the block, or ETE's blocks), one
+        position before it for a logit shift, and (prefix mode, bidirectional models) the suffix."""
+        hi = lo + self.W
         q_hi = n if (self.dc.cache == "prefix" and self.mc.attention == "bidirectional") else hi
         return lo - self.mc.logit_shift, q_hi
 
@@ -148,7 +154,7 @@ class Decoder:
         q_idx = torch.arange(q_lo, q_hi, device=x.device)
         own = attention_mask(self.mc, valid, self.P, lo, self.L, q_idx, q_idx)
         logits, _ = self.model(x[:, q_lo:q_hi], pos[:, q_lo:q_hi], own, cache=cache.for_rows(cache_rows),
-                               out_start=0, out_len=self.L)
+                               out_start=0, out_len=self.W)
         return self._predict(logits)
 
     # ------------------------------------------------------------------ stopping
@@ -175,28 +181,17 @@ class Decoder:
         return drafts, in_node, valid
 
     def _accept(self, drafts, in_node, valid, vpred, vconf, step):
-        """Hierarchical acceptance; returns (k* [R], step of k* [R])."""
-        R, K, L = drafts.shape
-        accepted = torch.zeros(R, K, dtype=torch.bool, device=drafts.device)
-        accepted[:, 0] = True
-        node_step = step[:, None].repeat(1, K)
-        exact = self.dc.acceptance == "exact"
-        for k in range(1, K):
-            acc_k = torch.zeros(R, dtype=torch.bool, device=drafts.device)
-            for p in self.graph.parents[k]:
-                new = in_node[:, k] & ~in_node[:, p]
-                tok_ok = (~new | (drafts[:, k] == vpred[:, p])).all(-1)
-                masked_p = drafts[:, p] == self.mc.mask_token_id
-                commit_p = self.policy.select(vconf[:, p], masked_p, node_step[:, p])
-                crit = (new == commit_p).all(-1) if exact else (~new | commit_p).all(-1)
-                ok = accepted[:, p] & valid[:, k] & tok_ok & crit
-                node_step[:, k] = torch.where(ok & ~acc_k, node_step[:, p] + 1, node_step[:, k])
-                acc_k |= ok
-            accepted[:, k] = acc_k
-        # deepest accepted node; ties go to the first in topological order
-        key = torch.where(accepted, self.node_size[None] * (K + 1) - torch.arange(K, device=drafts.device), -1)
-        best = key.argmax(-1)
-        return best, node_step.gather(1, best[:, None])[:, 0]
+        """Which draft each row keeps; returns (k* [R], step index of k* [R])."""
+        dc, mask_id = self.dc, self.mc.mask_token_id
+        if dc.selection == "best_score":
+            best, bstep, _ = acceptance.best_score(mask_id, drafts, valid, vconf, step)
+        elif dc.selection == "draft_conf":
+            tau = 0.9 if dc.threshold is None else dc.threshold
+            best, bstep, _ = acceptance.threshold_only(tau, self.graph, mask_id, drafts, in_node, valid, vpred, vconf, step)
+        else:
+            best, bstep, _ = acceptance.hierarchical(self.policy, self.graph, mask_id, drafts, in_node, valid, vpred,
+                                                     vconf, step, exact=dc.exact)
+        return best, bstep
 
     # ------------------------------------------------------------------ the loop
     @torch.no_grad()
@@ -227,10 +222,16 @@ class Decoder:
         K = len(self.graph)
 
         for b in range(dc.num_blocks):
-            sub = (stop_at < 0).nonzero()[:, 0]                # rows still generating (one sync per block)
+            lo = P + b * L
+            self.W = W = min(dc.window_blocks * L, N - lo)      # active window: the block, or ETE's blocks
+            hi = lo + W
+            # rows still generating whose block is not already complete (ETE may have filled it)
+            todo = (stop_at < 0) & (x[:, lo:lo + L] == mc.mask_token_id).any(-1)
+            sub = todo.nonzero()[:, 0]                          # one sync per block
             if sub.numel() == 0:
-                break
-            lo, hi = P + b * L, P + (b + 1) * L
+                if not (stop_at < 0).any():
+                    break
+                continue
             g0 = lo - P
             xs, vs, ps = x[sub], valid[sub], pos[sub]
             (pred, conf), cache = self._block_start(xs, vs, ps, lo)
@@ -239,7 +240,7 @@ class Decoder:
             step = torch.zeros(S, dtype=torch.long, device=dev)
             stop_s = torch.full((S,), -1, dtype=torch.long, device=dev)
             pending = torch.ones(S, dtype=torch.bool, device=dev)
-            cc, cs, csrc = c_call[sub, g0:g0 + L], c_step[sub, g0:g0 + L], c_src[sub, g0:g0 + L]
+            cc, cs, csrc = c_call[sub, g0:g0 + W], c_step[sub, g0:g0 + W], c_src[sub, g0:g0 + W]
             hist = depth_hist[sub]
             while True:
                 # ---- stage 1: the policy commits on the latest verifier output
@@ -254,22 +255,24 @@ class Decoder:
                 stopped, first = self._stopped(blk, masked)
                 stopped &= pending
                 stop_s = torch.where(stopped, g0 + first, stop_s)
-                pending = pending & ~stopped & masked.any(-1)
+                pending = pending & ~stopped & masked[:, :L].any(-1)
                 xs[:, lo:hi] = blk
                 act = pending.nonzero()[:, 0]                  # one small read-back per step
                 if act.numel() == 0:
                     break
+                if self.trace is not None:
+                    self.trace(sub[act], b, step[act] - 1, rank_of(conf[act], masked[act]), pred[act])
                 # ---- stage 2: drafts from the last predictions (index ops only)
                 drafts, in_node, nvalid = self._drafts(blk[act], masked[act], pred[act], conf[act])
                 pair = nvalid.reshape(-1).nonzero()[:, 0]      # (row, node) pairs to verify
                 prow, pnode = act[pair // K], pair % K
                 # ---- stage 3: one batched call over every draft of every active row
                 xr = xs[prow].clone()
-                xr[:, lo:hi] = drafts.reshape(-1, L)[pair]
+                xr[:, lo:hi] = drafts.reshape(-1, W)[pair]
                 vp, vc = self._call(xr, vs[prow], ps[prow], lo, cache, prow)
                 A = act.numel()
-                vpred = torch.zeros(A * K, L, dtype=vp.dtype, device=dev).index_copy_(0, pair, vp).view(A, K, L)
-                vconf = torch.zeros(A * K, L, dtype=vc.dtype, device=dev).index_copy_(0, pair, vc).view(A, K, L)
+                vpred = torch.zeros(A * K, W, dtype=vp.dtype, device=dev).index_copy_(0, pair, vp).view(A, K, W)
+                vconf = torch.zeros(A * K, W, dtype=vc.dtype, device=dev).index_copy_(0, pair, vc).view(A, K, W)
                 best, bstep = self._accept(drafts, in_node, nvalid, vpred, vconf, step[act])
                 ar = torch.arange(A, device=dev)
                 kept, kept_in = drafts[ar, best], in_node[ar, best]
@@ -287,10 +290,10 @@ class Decoder:
                     km = kb == mc.mask_token_id
                     st, fi = self._stopped(kb, km)
                     stop_s[act] = torch.where(st, g0 + fi, stop_s[act])
-                    pending[act] = ~st & km.any(-1)
+                    pending[act] = ~st & km[:, :L].any(-1)
             x[sub] = xs
             calls[sub], rows[sub], stop_at[sub] = calls_s, rows_s, stop_s
-            c_call[sub, g0:g0 + L], c_step[sub, g0:g0 + L], c_src[sub, g0:g0 + L] = cc, cs, csrc
+            c_call[sub, g0:g0 + W], c_step[sub, g0:g0 + W], c_src[sub, g0:g0 + W] = cc, cs, csrc
             depth_hist[sub] = hist
 
         seconds = time.perf_counter() - t0

@@ -118,3 +118,26 @@ class LocalLeap(Policy):
 
     def describe(self):
         return f"localleap(kappa={self.kappa},tau={self.tau},W={self.window})"
+
+
+@dataclass(frozen=True)
+class CrossBlock(Policy):
+    """ETE reconstruction (docs/methods.md): over a window of several blocks, every masked position
+    with c >= tau; if none lies in the current block (the first `block_len` positions), also the
+    current block's most confident one, so the block always advances."""
+
+    tau: float = 0.9
+    block_len: int = 32
+    name = "ete"
+
+    def select(self, conf, masked, step):
+        commit = masked & (conf >= self.tau)
+        L = self.block_len
+        blk_m = masked[:, :L]
+        need = blk_m.any(-1, keepdim=True) & ~commit[:, :L].any(-1, keepdim=True)
+        first = torch.zeros_like(masked)
+        first[:, :L] = _top1_mask(conf[:, :L], blk_m)
+        return commit | (first & need)
+
+    def describe(self):
+        return f"ete(tau={self.tau})"

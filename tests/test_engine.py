@@ -77,7 +77,7 @@ def test_root_only_graph_is_the_plain_policy(checkpoint):
     model = checkpoint[0]
     kw = dict(method="confidence", threshold=0.3, gen_length=32, block_length=8)
     a = generate(model, PROMPTS, **kw)
-    b = generate(model, PROMPTS, graph=DraftGraph.root_only(), **kw)
+    b = generate(model, PROMPTS, **{**kw, "method": "psd", "policy_name": "confidence", "graph": DraftGraph.root_only()})
     assert [(r.token_ids, r.calls) for r in a] == [(r.token_ids, r.calls) for r in b]
 
 

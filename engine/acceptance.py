@@ -1,0 +1,84 @@
+"""Choosing the kept draft after the batched verification call (ALGORITHMS.md §3).
+
+All functions are pure tensor functions over R rows and K graph nodes (a Python loop over nodes
+and parents only, never over positions), so they can be property-tested on synthetic verifier
+outputs.
+
+Inputs shared by every selection:
+    drafts  [R, K, L] int64  each node's block (the root is the state after stage 1)
+    in_node [R, K, L] bool   positions node k speculated (S_k mapped through σ)
+    valid   [R, K]    bool   node k could be instantiated this step (all its ranks exist)
+    vpred, vconf [R, K, L]   the verifier's top-1 and confidence for every node's block
+    step    [R]       int64  the root's step index inside the block (topk's schedule)
+Each returns (kept node [R], its step index [R], accepted [R, K]).
+"""
+from __future__ import annotations
+
+import torch
+
+from .graph import DraftGraph
+from .policies import Policy
+
+
+def _deepest(accepted: torch.Tensor, node_size: torch.Tensor) -> torch.Tensor:
+    """Deepest accepted node (max |S_k|), ties to the first in topological order."""
+    K = accepted.shape[1]
+    key = torch.where(accepted, node_size[None] * (K + 1) - torch.arange(K, device=accepted.device), -1)
+    return key.argmax(-1)
+
+
+def hierarchical(policy: Policy, graph: DraftGraph, mask_id: int, drafts, in_node, valid, vpred, vconf, step,
+                 exact: bool = False, check_tokens: bool = True):
+    """Node k is accepted if some accepted parent p has, for every i in S_k \\ S_p, the drafted
+    token equal to the verifier's x̂_{p,i} and i ∈ π(draft_p, out_p) (policy mode), or
+    S_k \\ S_p = π(draft_p, out_p) with all tokens agreeing (exact, lossless mode).
+    `check_tokens=False` drops the agreement test (FDM's trust in future predictions)."""
+    R, K, L = drafts.shape
+    accepted = torch.zeros(R, K, dtype=torch.bool, device=drafts.device)
+    accepted[:, 0] = True
+    node_step = step[:, None].repeat(1, K)
+    for k in range(1, K):
+        acc_k = torch.zeros(R, dtype=torch.bool, device=drafts.device)
+        for p in graph.parents[k]:
+            new = in_node[:, k] & ~in_node[:, p]
+            tok_ok = (~new | (drafts[:, k] == vpred[:, p])).all(-1) if check_tokens else torch.ones_like(acc_k)
+            commit_p = policy.select(vconf[:, p], drafts[:, p] == mask_id, node_step[:, p])
+            crit = (new == commit_p).all(-1) if exact else (~new | commit_p).all(-1)
+            ok = accepted[:, p] & valid[:, k] & tok_ok & crit
+            node_step[:, k] = torch.where(ok & ~acc_k, node_step[:, p] + 1, node_step[:, k])
+            acc_k |= ok
+        accepted[:, k] = acc_k
+    node_size = torch.tensor([len(s) for s in graph.nodes], device=drafts.device)
+    best = _deepest(accepted, node_size)
+    return best, node_step.gather(1, best[:, None])[:, 0], accepted
+
+
+def threshold_only(tau: float, graph: DraftGraph, mask_id: int, drafts, in_node, valid, vpred, vconf, step):
+    """FDM reconstruction: node k is accepted from an accepted parent p when every newly drafted
+    position has verifier confidence >= tau in p's output, whatever token p predicts there."""
+    R, K, L = drafts.shape
+    accepted = torch.zeros(R, K, dtype=torch.bool, device=drafts.device)
+    accepted[:, 0] = True
+    for k in range(1, K):
+        for p in graph.parents[k]:
+            new = in_node[:, k] & ~in_node[:, p]
+            ok = accepted[:, p] & valid[:, k] & (~new | (vconf[:, p] >= tau)).all(-1)
+            accepted[:, k] |= ok
+    node_size = torch.tensor([len(s) for s in graph.nodes], device=drafts.device)
+    best = _deepest(accepted, node_size)
+    return best, step + node_size[best], accepted
+
+
+def best_score(mask_id: int, drafts, valid, vconf, step):
+    """LoPA: every valid branch is scored by the mean verifier confidence over its still-masked
+    in-block positions (a branch with none left scores +inf: it finishes the block); the best
+    branch is kept, ties to the lower branch index."""
+    masked = drafts == mask_id                                                 # [R, K, L]
+    n = masked.sum(-1)
+    mean = torch.where(masked, vconf, 0).sum(-1) / n.clamp_min(1)
+    score = torch.where(n == 0, float("inf"), mean.float())
+    score = torch.where(valid, score, float("-inf"))
+    best = score.argmax(-1)                                                    # first max on ties
+    accepted = torch.zeros_like(valid)
+    accepted[torch.arange(len(best), device=best.device), best] = True
+    return best, step + 1, accepted

@@ -1,0 +1,134 @@
+"""Draft-graph calibration (ALGORITHMS.md §4, Spiffy's offline step).
+
+    python -m engine.calibrate --model DIR --policy greedy --depth 4 --nodes 8 \
+        --prompts prompts.txt --out graph.json [--gen-length 128 --block-length 32 --threshold T]
+
+Replays the plain policy on the calibration prompts (one per line; a `.jsonl` file with a
+`prompt` field also works). After each step it records the ranks, in that step's confidence
+order σ, of the positions the next d steps actually commit with tokens that agree with that
+step's predictions (a cumulative rank set per horizon, stopping at the first disagreement).
+Each candidate rank set is scored by its own frequency plus its one-smaller subsets' frequencies
+("degree-1 accumulation"); the best `--nodes` (root included) are kept, closed under the parent
+relation so every node is reachable, and written as a graph file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from .config import POLICIES, DecodeConfig
+from .errors import InputError
+from .graph import DraftGraph
+from .loop import Decoder
+
+
+def record_reveal_sets(model, prompts: list[list[int]], config: DecodeConfig, depth: int, batch: int = 16) -> Counter:
+    """Frequencies of the cumulative rank sets the plain policy reveals in the next 1..depth steps."""
+    freq: Counter = Counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        steps: list[tuple] = []
+
+        def trace(rows, block, step, ranks, pred):
+            for r, t, rk, pr in zip(rows.tolist(), step.tolist(), ranks.tolist(), pred.tolist()):
+                steps.append((r, block, t, rk, pr))
+
+        results = Decoder(model, config, trace=trace).generate(chunk)
+        L = config.block_length
+        for r, block, t, ranks, pred in steps:
+            res = results[r]
+            cum: set[int] = set()
+            for h in range(1, depth + 1):
+                pos = [j for j in range(block * L, min((block + 1) * L, res.tokens))
+                       if res.commit_step[j] == t + h and res.commit_source[j] == 0]
+                if not pos or any(res.token_ids[j] != pred[j - block * L] for j in pos):
+                    break
+                cum |= {ranks[j - block * L] for j in pos}
+                freq[frozenset(cum)] += 1
+    return freq
+
+
+def select_nodes(freq: Counter, nodes: int) -> DraftGraph:
+    """Best `nodes` rank sets (root included) by degree-1 accumulated score, parent-closed."""
+    if nodes < 1:
+        raise InputError(f"--nodes must be >= 1, got {nodes}")
+    score = {s: c + sum(freq.get(s - {r}, 0) for r in s) for s, c in freq.items()}
+    ranked = sorted(score, key=lambda s: (-score[s], len(s), sorted(s)))
+    chosen: list[frozenset] = [frozenset()]
+
+    def parents_present(s):
+        return len(s) <= 1 or any((s - {r}) in chosen for r in s)
+
+    for s in ranked:
+        if len(chosen) >= nodes:
+            break
+        if s in chosen:
+            continue
+        # add the missing ancestors first (best-scored parent at each level) so s is reachable
+        chain, cur = [], s
+        while not parents_present(cur):
+            cur = max((cur - {r} for r in cur), key=lambda p: (score.get(p, 0), -max(p, default=0)))
+            chain.append(cur)
+        need = [c for c in reversed(chain) if c not in chosen] + [s]
+        if len(chosen) + len(need) > nodes:
+            continue
+        chosen.extend(need)
+    return DraftGraph([sorted(s) for s in chosen])
+
+
+def _read_prompts(path: str, tok) -> list[list[int]]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read prompts file {path}: {e.strerror}") from None
+    if p.suffix == ".jsonl":
+        lines = [json.loads(l)["prompt"] for l in text.splitlines() if l.strip()]
+    else:
+        lines = [l.replace("\\n", "\n") for l in text.splitlines() if l.strip()]
+    if not lines:
+        raise InputError(f"prompts file {path} holds no prompt")
+    return [tok.encode(l) for l in lines]
+
+
+def main(argv=None) -> int:
+    from models import CheckpointError, Tokenizer, load_model
+
+    from .generate import _Parser
+
+    p = _Parser(prog="python -m engine.calibrate", description="calibrate a draft graph (ALGORITHMS.md §4)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--policy", default="greedy", choices=POLICIES)
+    p.add_argument("--threshold", type=float)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--gen-length", type=int, default=128)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args(argv)
+    try:
+        cfg = DecodeConfig(method=args.policy, threshold=args.threshold, gen_length=args.gen_length,
+                           block_length=args.block_length).validate()
+        if args.depth < 1:
+            raise InputError(f"--depth must be >= 1, got {args.depth}")
+        tok = Tokenizer(args.model)
+        prompts = _read_prompts(args.prompts, tok)
+        model = load_model(args.model, dtype=args.dtype)
+        freq = record_reveal_sets(model, prompts, cfg, args.depth)
+        graph = select_nodes(freq, args.nodes)
+        graph.save(args.out, policy=cfg.policy().describe(), depth=args.depth, prompts=len(prompts),
+                   observations=sum(freq.values()))
+    except (InputError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(graph)}-node graph (depth {graph.depth}) to {args.out}: {[sorted(s) for s in graph.nodes]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
