@@ -11,8 +11,8 @@ Low-level use from another tool:
 from .config import ACCEPTANCE, CACHE_MODES, METHODS, SCORES, DecodeConfig
 from .errors import InputError
 from .graph import DraftGraph
-from .loop import Decoder, SequenceResult, generate
+from .loop import Decoder, SequenceResult, aggregate, generate
 from .policies import Confidence, Greedy, LocalLeap, Policy, TopK
 
 __all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "SCORES", "Confidence", "DecodeConfig", "Decoder", "DraftGraph",
-           "Greedy", "InputError", "LocalLeap", "Policy", "SequenceResult", "TopK", "generate"]
+           "Greedy", "InputError", "aggregate", "LocalLeap", "Policy", "SequenceResult", "TopK", "generate"]

@@ -325,3 +325,20 @@ def generate(model: Transformer, prompts, config: DecodeConfig | None = None, **
 
         cfg = replace(config, **options)
     return Decoder(model, cfg).generate(prompts)
+
+
+def aggregate(results: list[SequenceResult]) -> dict:
+    """Statistics over many sequences: totals, TPF = all tokens / all calls, rows per call, the
+    summed accepted-depth histogram and the share of tokens from accepted drafts."""
+    calls = sum(r.calls for r in results)
+    tokens = sum(r.tokens for r in results)
+    rows = sum(r.rows_per_call * r.calls for r in results)
+    hist: dict[int, int] = {}
+    for r in results:
+        for d, c in r.accepted_depth.items():
+            hist[d] = hist.get(d, 0) + c
+    drafted = sum(sum(r.commit_source) for r in results)
+    return {"sequences": len(results), "tokens": tokens, "calls": calls, "tpf": tokens / max(calls, 1),
+            "rows_per_call": rows / max(calls, 1), "draft_token_share": drafted / max(tokens, 1),
+            "accepted_depth": {str(d): c for d, c in sorted(hist.items())},
+            "stopped": sum(r.stopped for r in results)}

@@ -304,3 +304,15 @@ def test_method_options_validated():
         generate(m, PROMPTS, method="psd", policy_name="lopa", gen_length=8, block_length=8)
     with pytest.raises(InputError, match="k must be >= 1"):
         generate(m, PROMPTS, method="lopa", k=0, gen_length=8, block_length=8)
+
+
+def test_aggregate_statistics(model):
+    from engine import aggregate
+
+    res = generate(model, PROMPTS, method="psd", policy_name="confidence", threshold=0.3, depth=3,
+                   gen_length=G, block_length=L)
+    agg = aggregate(res)
+    assert agg["tokens"] == sum(r.tokens for r in res) and agg["calls"] == sum(r.calls for r in res)
+    assert agg["tpf"] == pytest.approx(agg["tokens"] / agg["calls"])
+    assert agg["draft_token_share"] == pytest.approx(sum(sum(r.commit_source) for r in res) / agg["tokens"])
+    assert sum(agg["accepted_depth"].values()) == sum(sum(r.accepted_depth.values()) for r in res)
