@@ -97,7 +97,7 @@ def _read_prompts(path: str, tok) -> list[list[int]]:
 def main(argv=None) -> int:
     from models import CheckpointError, Tokenizer, load_model
 
-    from .generate import _Parser
+    from .cli import _Parser
 
     p = _Parser(prog="python -m engine.calibrate", description="calibrate a draft graph (ALGORITHMS.md §4)")
     p.add_argument("--model", required=True)

@@ -169,16 +169,13 @@ class Decoder:
 
     # ------------------------------------------------------------------ stage 2 + 3
     def _drafts(self, blk, masked, pred, conf):
-        """Drafts [R, K, L] and node membership [R, K, L]; valid [R, K] (every rank exists)."""
-        K = len(self.graph)
-        if K == 1:
+        """Drafts [R, K, W] (psd_kernels.assemble_drafts: ranks by confidence, index ops only),
+        node membership [R, K, W] and valid [R, K] (every rank of the node exists this step)."""
+        if len(self.graph) == 1:
             return blk[:, None], torch.zeros_like(blk, dtype=torch.bool)[:, None], torch.ones_like(masked[:, :1])
-        ranks = rank_of(conf, masked)                                                 # [R, L]
-        nr = self.node_ranks                                                          # [K, D]
-        in_node = (ranks[:, None, :, None] == nr[None, :, None, :]).any(-1) & masked[:, None]
-        valid = ((nr < masked.sum(-1)[:, None, None]) | (nr < 0)).all(-1)
-        drafts = torch.where(in_node, pred[:, None], blk[:, None])
-        return drafts, in_node, valid
+        drafts, valid = psd_kernels.assemble_drafts(blk, masked, pred, conf.float(), self.node_ranks)
+        # a drafted position was masked (mask id) and now holds a prediction (never the mask id)
+        return drafts, drafts != blk[:, None], valid
 
     def _accept(self, drafts, in_node, valid, vpred, vconf, step):
         """Which draft each row keeps; returns (k* [R], step index of k* [R])."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from models.random_checkpoint import make_checkpoint
-from engine.generate import main
+from engine.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

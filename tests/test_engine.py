@@ -233,3 +233,45 @@ def test_no_host_sync_per_position_in_the_loop():
     """The loop reads back only a constant number of small tensors per step (ALGORITHMS.md §3)."""
     src = Path(__file__).resolve().parent.parent.joinpath("engine", "loop.py").read_text()
     assert ".item()" not in src and ".tolist()" not in src.split("def _results")[0]
+
+
+@pytest.mark.parametrize("family", ["llada", "pangu"])
+def test_draft_verification_never_copies_the_cache_per_draft(family):
+    """A verification call of K drafts against a long cached prefix creates no tensor as large as
+    K copies of one layer's cached keys (ALGORITHMS.md §6: memory grows with K·L, not K·S)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = ModelConfig.tiny(family)
+    model = init_random(cfg, seed=3, std=0.3)
+    prompt = [int(t) for t in torch.randint(0, 60, (300,), generator=torch.Generator().manual_seed(0))]
+    K, S = 6, 300
+
+    class Sizes(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == cfg.head_dim:
+                    Sizes.biggest = max(Sizes.biggest, t.numel())
+            return out
+
+    kw = dict(method="psd", policy_name="greedy", depth=K - 1, gen_length=32, block_length=16, cache="dual")
+    with Sizes():
+        res = generate(model, [prompt], **kw)
+    assert res[0].rows_per_call > 2                  # drafts were really verified in batched calls
+    one_copy = cfg.num_kv_heads * S * cfg.head_dim
+    assert Sizes.biggest < K * one_copy / 2
+    # the check can fail: the same call with the cache replicated per draft trips it
+    import models.transformer as tr
+
+    orig = tr.KVCache.for_rows
+    tr.KVCache.for_rows = lambda self, rm: tr.KVCache([(k[rm], v[rm]) for k, v in self.layers], self.key_mask[rm], None)
+    try:
+        Sizes.biggest = 0
+        with Sizes():
+            replicated = generate(model, [prompt], **kw)
+        assert Sizes.biggest >= K * one_copy / 2
+        assert replicated[0].token_ids == res[0].token_ids      # same result, K times the memory
+    finally:
+        tr.KVCache.for_rows = orig

@@ -1,0 +1,152 @@
+"""Shared plumbing of the kernel microbenchmarks: device description, timing, peak copy
+bandwidth and CSV output under ``bench/results/``.
+
+On CUDA, times come from ``triton.testing.do_bench`` (median, L2 flushed between runs); on CPU
+from a perf_counter loop (median). Every CSV row carries the device name and the torch and
+triton versions, so files from different machines can be concatenated.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def versions() -> dict[str, str]:
+    try:
+        triton_version = importlib.metadata.version("triton")  # no import: triton is optional
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = "none"
+    return {"torch": torch.__version__, "triton": triton_version}
+
+
+def triton_usable(device: torch.device) -> bool:
+    """The Triton provider is timed only compiled, on CUDA: interpreter timings mean nothing."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: float = 100.0) -> float:
+    """Median milliseconds per call of ``fn``."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    fn()  # warm-up: first-touch allocation, lazy init
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1000.0
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+_PEAK: dict[str, float] = {}
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int | None = None) -> float:
+    """Achievable memory bandwidth: a device-to-device copy moves 2·nbytes (read + write)."""
+    key = str(device)
+    if key not in _PEAK:
+        nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        dst = torch.empty_like(src)
+        ms = time_ms(lambda: dst.copy_(src), device, rep_ms=200.0)
+        _PEAK[key] = 2 * nbytes / (ms * 1e-3) / 1e9
+    return _PEAK[key]
+
+
+def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Extra device memory one call allocates at its peak (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:48]
+
+
+def write_csv(bench: str, rows: list[dict], device: torch.device) -> Path:
+    """Write rows to bench/results/<bench>_<device>.csv (replacing an older run on that device)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = device_name(device)
+    stamp = {"device": name, **versions(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    full = [{**row, **stamp} for row in rows]
+    fields: list[str] = []
+    for row in full:
+        fields += [k for k in row if k not in fields]
+    path = RESULTS / f"{bench}_{'cpu' if device.type == 'cpu' else slug(name)}.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(full)
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_threads() -> None:
+    """Pin CPU benchmarks to the thread count given in PSD_BENCH_THREADS (shared machines)."""
+    n = os.environ.get("PSD_BENCH_THREADS")
+    if n:
+        torch.set_num_threads(int(n))

@@ -1,0 +1,69 @@
+"""Shared pytest setup.
+
+Without CUDA the Triton kernels run under Triton's interpreter, which triton.jit selects when
+the kernel modules are imported; the variable must therefore be set before anything imports
+triton, i.e. here, at conftest import. With CUDA nothing is forced: the same tests run compiled.
+The ``gpu`` marker tags tests that need CUDA; they are skipped without it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernel tests put their tensors: CUDA when present, else CPU for the interpreter."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def compile_check():
+    """Run ``psd_kernels.ops._compile_check`` for one kernel family in a subprocess.
+
+    Lowers every constexpr variant to an sm_90 cubin (Triton ships ptxas), so GPU-only compile
+    errors surface on a CPU machine. Skipped with a GPU, where the compiled tests cover this.
+    """
+
+    def run(family: str) -> None:
+        if HAS_CUDA or importlib.util.find_spec("triton") is None:
+            pytest.skip("needs triton and no GPU (on a GPU the kernel tests run compiled)")
+        import triton
+
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        if not (os.path.exists(ptxas) or shutil.which("ptxas")):
+            pytest.skip("no ptxas to compile with")
+        # the subprocess must not inherit the interpreter, which never compiles
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(PYTHONPATH=REPO, TRITON_DEFAULT_FP_FUSION="1")
+        cmd = [sys.executable, "-m", "psd_kernels.ops._compile_check", "--quick", "--only", family]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        assert "compiled" in res.stdout
+
+    return run

@@ -1,0 +1,303 @@
+"""psd_kernels shared_prefix_attention / merge_attention: Triton vs reference, dense oracle, memory."""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import psd_kernels
+from psd_kernels import reference
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+BACKENDS = ["reference"] + (["triton"] if HAS_TRITON else [])
+# out: both sides round the same fp32 value to the output dtype; lse stays fp32 in both
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+       torch.float16: dict(rtol=1e-3, atol=1e-3)}
+LSE_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def make_inputs(K, H, Hkv, L, S, D, dtype, gen, device):
+    def r(*shape):
+        return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+    return r(K, H, L, D), r(Hkv, S, D), r(Hkv, S, D), r(K, Hkv, L, D), r(K, Hkv, L, D)
+
+
+def dense_oracle(q, ks, vs, ko, vo, scale=None, shared_mask=None):
+    """Dense SDPA over the concatenated keys [shared | all K own blocks] with a materialised
+    block mask: draft k sees the shared columns and only its own L columns."""
+    K, H, L, D = q.shape
+    Hkv, S, _ = ks.shape
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    keys = torch.cat([ks.float(), ko.float().permute(1, 0, 2, 3).reshape(Hkv, K * L, D)], 1)  # [Hkv, S+K*L, D]
+    vals = torch.cat([vs.float(), vo.float().permute(1, 0, 2, 3).reshape(Hkv, K * L, D)], 1)
+    keys = keys.repeat_interleave(H // Hkv, 0)  # GQA: [H, S+K*L, D]
+    vals = vals.repeat_interleave(H // Hkv, 0)
+    queries = q.float().permute(1, 0, 2, 3).reshape(H, K * L, D)  # rows (draft, position)
+    draft_of_row = torch.arange(K).repeat_interleave(L)
+    own = draft_of_row[:, None] == draft_of_row[None, :]  # [K*L, K*L] block diagonal
+    shared = torch.ones(K * L, S, dtype=torch.bool) if shared_mask is None else shared_mask.cpu().expand(K * L, S)
+    mask = torch.cat([shared, own], 1)
+    out = F.scaled_dot_product_attention(queries, keys, vals, attn_mask=mask, scale=scale)
+    scores = (queries @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return out.view(H, K, L, D).permute(1, 0, 2, 3), lse.view(H, K, L).permute(1, 0, 2)
+
+
+def run_triton(q, ks, vs, ko, vo, **kw):
+    K, H, L, D = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((K, H, L), float("nan"), device=q.device)
+    got = psd_kernels.shared_prefix_attention(q, ks, vs, ko, vo, out=(out, lse), backend="triton", **kw)
+    assert got[0] is out and got[1] is lse
+    return out, lse
+
+
+def cpu(ts):
+    return [t.cpu() if t is not None else None for t in ts]
+
+
+# ------------------------------------------------------------------------------------------
+# Triton vs reference
+# ------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("K", [1, 3, 8])
+@pytest.mark.parametrize("L", [1, 7, 32])
+@pytest.mark.parametrize("S", [0, 1, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(K, L, S, dtype, device):
+    gen = torch.Generator().manual_seed(K * 10000 + L * 100 + S)
+    H, Hkv, D = 4, 2, 16
+    inputs = make_inputs(K, H, Hkv, L, S, D, dtype, gen, device)
+    out, lse = run_triton(*inputs)
+    out_ref, lse_ref = reference.shared_prefix_attention(*cpu(inputs))
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), out_ref, **TOL[dtype])
+    torch.testing.assert_close(lse.cpu(), lse_ref, **LSE_TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "K, H, Hkv, L, S, D, dtype",
+    [
+        (3, 8, 1, 7, 100, 64, torch.float32),  # group 8: one tile spans several drafts and heads
+        (2, 2, 2, 32, 37, 24, torch.float32),  # MHA, head dim not a power of two
+        (4, 6, 3, 5, 40, 32, torch.float16),
+        (2, 4, 2, 32, 70, 128, torch.bfloat16),  # a real head dim
+    ],
+)
+def test_head_layouts(K, H, Hkv, L, S, D, dtype, device):
+    gen = torch.Generator().manual_seed(H * 31 + D)
+    inputs = make_inputs(K, H, Hkv, L, S, D, dtype, gen, device)
+    out, lse = run_triton(*inputs, scale=0.3)
+    out_ref, lse_ref = reference.shared_prefix_attention(*cpu(inputs), scale=0.3)
+    torch.testing.assert_close(out.cpu(), out_ref, **TOL[dtype])
+    torch.testing.assert_close(lse.cpu(), lse_ref, **LSE_TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize("S", [1, 100])
+@pytest.mark.parametrize("density", [0.0, 0.6])
+def test_shared_mask(S, density, device):
+    gen = torch.Generator().manual_seed(S + int(density * 10))
+    K, H, Hkv, L, D = 3, 4, 2, 7, 16
+    inputs = make_inputs(K, H, Hkv, L, S, D, torch.float32, gen, device)
+    mask = (torch.rand(S, generator=gen) < density).to(device)
+    out, lse = run_triton(*inputs, shared_mask=mask)
+    out_ref, lse_ref = reference.shared_prefix_attention(*cpu(inputs), shared_mask=mask.cpu())
+    torch.testing.assert_close(out.cpu(), out_ref, **TOL[torch.float32])
+    torch.testing.assert_close(lse.cpu(), lse_ref, **LSE_TOL)
+    if density == 0.0:  # nothing shared is visible: own block only
+        q, ks, vs, ko, vo = cpu(inputs)
+        empty = torch.empty(Hkv, 0, D)
+        own_only = reference.shared_prefix_attention(q, empty, empty, ko, vo)
+        torch.testing.assert_close(out.cpu(), own_only[0], **TOL[torch.float32])
+
+
+@needs_triton
+def test_strided_cache_views(device):
+    """The engine passes views into a larger cache buffer and head-major layouts; the kernel takes strides."""
+    gen = torch.Generator().manual_seed(77)
+    K, H, Hkv, L, S, D = 3, 4, 2, 7, 50, 16
+    cache = torch.randn(2, S + 20, Hkv, D, generator=gen).to(device)  # [k|v, positions, heads, D]
+    ks, vs = cache[0, :S].transpose(0, 1), cache[1, :S].transpose(0, 1)  # [Hkv, S, D], non-contiguous
+    q = torch.randn(K, L, H, D, generator=gen).to(device).transpose(1, 2)  # [K, H, L, D] view
+    own = torch.randn(K, L, 2, Hkv, D, generator=gen).to(device)
+    ko, vo = own[:, :, 0].transpose(1, 2), own[:, :, 1].transpose(1, 2)
+    out, lse = run_triton(q, ks, vs, ko, vo)
+    out_ref, lse_ref = reference.shared_prefix_attention(*cpu((q, ks, vs, ko, vo)))
+    torch.testing.assert_close(out.cpu(), out_ref, **TOL[torch.float32])
+    torch.testing.assert_close(lse.cpu(), lse_ref, **LSE_TOL)
+
+
+# ------------------------------------------------------------------------------------------
+# reference semantics
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("K, H, Hkv, L, S", [(1, 2, 2, 1, 0), (3, 4, 2, 7, 1), (8, 4, 1, 5, 100)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_reference_equals_dense_sdpa(K, H, Hkv, L, S, masked):
+    gen = torch.Generator().manual_seed(K + S)
+    inputs = make_inputs(K, H, Hkv, L, S, 16, torch.float32, gen, "cpu")
+    mask = (torch.rand(S, generator=gen) < 0.5) if masked else None
+    out, lse = reference.shared_prefix_attention(*inputs, shared_mask=mask)
+    out_d, lse_d = dense_oracle(*inputs, shared_mask=mask)
+    torch.testing.assert_close(out, out_d, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_d, rtol=1e-5, atol=1e-5)
+
+
+def test_drafts_are_independent():
+    """Changing draft 1's own block changes draft 1's output only."""
+    gen = torch.Generator().manual_seed(3)
+    q, ks, vs, ko, vo = make_inputs(3, 4, 2, 6, 20, 16, torch.float32, gen, "cpu")
+    base, _ = reference.shared_prefix_attention(q, ks, vs, ko, vo)
+    ko2, vo2 = ko.clone(), vo.clone()
+    ko2[1] += 1.0
+    vo2[1] -= 2.0
+    moved, _ = reference.shared_prefix_attention(q, ks, vs, ko2, vo2)
+    assert torch.equal(moved[0], base[0]) and torch.equal(moved[2], base[2])
+    assert not torch.allclose(moved[1], base[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merge_attention_recovers_full_attention(backend, device):
+    """Shared part and own part computed by separate calls, merged by lse, equal the joint call."""
+    gen = torch.Generator().manual_seed(12)
+    K, H, Hkv, L, S, D = 3, 4, 2, 7, 40, 16
+    q, ks, vs, ko, vo = make_inputs(K, H, Hkv, L, S, D, torch.float32, gen, device)
+    full = psd_kernels.shared_prefix_attention(q, ks, vs, ko, vo, backend=backend)
+    # part a: the first 25 shared keys plus the own blocks; part b: the other 15 shared keys
+    part_a = psd_kernels.shared_prefix_attention(q, ks[:, :25], vs[:, :25], ko, vo, backend=backend)
+    qg = q.view(K, Hkv, H // Hkv * L, D)  # the G query heads of kv head g share its keys
+    scores = qg @ ks[None, :, 25:].transpose(-1, -2) / math.sqrt(D)  # [K, Hkv, G*L, 15]
+    l_b = torch.logsumexp(scores, -1)
+    o_b = torch.softmax(scores, -1) @ vs[None, :, 25:]
+    merged = psd_kernels.merge_attention(part_a[0], part_a[1], o_b.view(K, H, L, D), l_b.view(K, H, L))
+    torch.testing.assert_close(merged[0], full[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged[1], full[1], rtol=1e-5, atol=1e-5)
+
+
+def test_merge_attention_empty_parts():
+    gen = torch.Generator().manual_seed(13)
+    o = torch.randn(2, 3, 4, generator=gen)
+    lse = torch.randn(2, 3, generator=gen)
+    none_o, none_lse = torch.zeros(2, 3, 4), torch.full((2, 3), float("-inf"))
+    m_o, m_lse = psd_kernels.merge_attention(none_o, none_lse, o, lse)
+    assert torch.equal(m_o, o) and torch.equal(m_lse, lse)
+    e_o, e_lse = psd_kernels.merge_attention(none_o, none_lse, none_o, none_lse)
+    assert torch.equal(e_o, none_o) and bool(torch.isneginf(e_lse).all())
+    with pytest.raises(ValueError, match="matching shapes"):
+        psd_kernels.merge_attention(o, lse, o[:, :2], lse[:, :2])
+
+
+# ------------------------------------------------------------------------------------------
+# memory: one copy of the shared cache, never K
+# ------------------------------------------------------------------------------------------
+class NumelRecorder(TorchDispatchMode):
+    """Records the numel of every tensor an op creates."""
+
+    def __init__(self):
+        super().__init__()
+        self.created: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(t, torch.Tensor) and not t._is_view():
+                self.created.append((str(func), t.numel()))
+        return result
+
+
+def _replicating_attention(q, ks, vs, ko, vo):
+    """What the kernel avoids: a per-draft copy of the shared cache."""
+    K = q.shape[0]
+    keys = torch.cat([ks[None].expand(K, -1, -1, -1), ko], 2)  # [K, Hkv, S+L, D]: K copies
+    vals = torch.cat([vs[None].expand(K, -1, -1, -1), vo], 2)
+    G = q.shape[1] // ks.shape[0]
+    return F.scaled_dot_product_attention(q, keys.repeat_interleave(G, 1), vals.repeat_interleave(G, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_never_allocates_k_copies_of_the_cache(dtype):
+    # sizes chosen so that a per-draft cache copy (K·S·D per kv head) is larger than every
+    # legitimate intermediate: scores H·K·L·S (G·Hkv·L < D), the cache cast Hkv·S·D (Hkv < K)
+    K, H, Hkv, L, S, D = 5, 4, 2, 4, 101, 64
+    gen = torch.Generator().manual_seed(0)
+    inputs = make_inputs(K, H, Hkv, L, S, D, dtype, gen, "cpu")
+    limit = K * S * D
+    with NumelRecorder() as rec:
+        reference.shared_prefix_attention(*inputs)
+    biggest = max(rec.created, key=lambda e: e[1])
+    assert biggest[1] < limit, f"{biggest[0]} created {biggest[1]} elements (a per-draft cache copy is {limit})"
+    # the recorder does see a replicated cache (the check can fail)
+    with NumelRecorder() as rec:
+        _replicating_attention(*inputs)
+    assert max(n for _, n in rec.created) >= K * Hkv * S * D
+
+
+@pytest.mark.gpu
+def test_triton_peak_memory_is_outputs_only():
+    K, H, Hkv, L, S, D = 8, 32, 8, 32, 16384, 128
+    gen = torch.Generator().manual_seed(0)
+    inputs = make_inputs(K, H, Hkv, L, S, D, torch.bfloat16, gen, "cuda")
+    psd_kernels.shared_prefix_attention(*inputs, backend="triton")  # autotune outside the measurement
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, lse = psd_kernels.shared_prefix_attention(*inputs, backend="triton")
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    outputs = out.numel() * out.element_size() + lse.numel() * 4
+    assert extra <= outputs + (1 << 20), f"{extra} bytes beyond {outputs} of outputs"
+    one_replica = K * Hkv * S * D * 2
+    assert extra < one_replica // 8
+
+
+# ------------------------------------------------------------------------------------------
+# input checks
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs(backend, device):
+    gen = torch.Generator().manual_seed(0)
+    q, ks, vs, ko, vo = make_inputs(2, 4, 2, 3, 5, 8, torch.float32, gen, device)
+
+    def call(*a, **kw):
+        return psd_kernels.shared_prefix_attention(*a, backend=backend, **kw)
+
+    with pytest.raises(ValueError, match="q must be a 4-D"):
+        call(q[0], ks, vs, ko, vo)
+    with pytest.raises(ValueError, match="k_shared must be a 3-D"):
+        call(q, ks[None], vs, ko, vo)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        call(q[:, :3], ks, vs, ko, vo)
+    with pytest.raises(ValueError, match="all inputs need one dtype"):
+        call(q, ks.half(), vs, ko, vo)
+    with pytest.raises(ValueError, match="v_shared has shape"):
+        call(q, ks, vs[:, :4], ko, vo)
+    with pytest.raises(ValueError, match="k_own has shape"):
+        call(q, ks, vs, ko[:1], vo)
+    with pytest.raises(ValueError, match="head dim"):
+        call(q, ks[..., :4], vs, ko, vo)
+    with pytest.raises(ValueError, match="shared_mask must be a bool"):
+        call(q, ks, vs, ko, vo, shared_mask=torch.ones(5, device=device))
+    with pytest.raises(ValueError, match="shared_mask has shape"):
+        call(q, ks, vs, ko, vo, shared_mask=torch.ones(4, dtype=torch.bool, device=device))
+    with pytest.raises(ValueError, match="floating point"):
+        call(q.long(), ks.long(), vs.long(), ko.long(), vo.long())
+
+
+@needs_triton
+def test_triton_bad_out(device):
+    gen = torch.Generator().manual_seed(0)
+    q, ks, vs, ko, vo = make_inputs(2, 4, 2, 3, 5, 8, torch.float32, gen, device)
+    with pytest.raises(ValueError, match="out buffer lse"):
+        psd_kernels.shared_prefix_attention(q, ks, vs, ko, vo, out=(torch.empty_like(q), torch.empty(2, 4, 3, 1, device=device)),
+                                            backend="triton")
+
+
+def test_compiles_for_sm90(compile_check):
+    compile_check("sparse_attn")
