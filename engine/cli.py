@@ -26,9 +26,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
-    p.add_argument("prompt", nargs="?", help="prompt text, encoded exactly as given; '-' reads stdin")
+    p.add_argument("prompt", nargs="?", help="prompt text, encoded exactly as given; '-' reads stdin; "
+                                             "default: the model's sample_prompt.txt")
     p.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
-    p.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
+                                    "default: the shipped models/default")
     p.add_argument("--method", default="greedy", choices=METHODS)
     p.add_argument("--gen-length", type=int, default=128)
     p.add_argument("--block-length", type=int, default=32)
@@ -60,7 +62,12 @@ def _read_prompt(args) -> str:
     src = args.prompt_file if args.prompt_file is not None else ("-" if args.prompt == "-" else None)
     if src is None:
         if args.prompt is None:
-            raise InputError("no prompt given (pass PROMPT, '-' for stdin, or --prompt-file)")
+            sample = Path(args.model) / "sample_prompt.txt"
+            if not sample.is_file():
+                raise InputError("no prompt given (pass PROMPT, '-' for stdin, or --prompt-file)")
+            text = sample.read_text(encoding="utf-8")
+            print(f"prompt (the model's sample question): {text!r}", file=sys.stderr)
+            return text
         return args.prompt
     if src == "-":
         return sys.stdin.read()
@@ -91,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
                       graph=DraftGraph.load(args.graph) if args.graph else None).validate()
     if args.model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-            raise InputError("--model DIR is required (no default model is shipped yet)")
+            raise InputError(f"--model DIR is required (the shipped default model {DEFAULT_MODEL_DIR} is missing)")
         args.model = str(DEFAULT_MODEL_DIR)
     model_dir = Path(args.model)
     if not model_dir.is_dir():

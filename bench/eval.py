@@ -1,0 +1,224 @@
+"""`python -m bench.eval`: accuracy and speed of decoding methods on a task, side by side.
+
+    python -m bench.eval --task math --methods greedy confidence:tau=0.9 spiffy:d=3 \
+        psd:policy=confidence,d=3 --limit 50 [--model DIR] [--out results.jsonl] [--plot DIR]
+    torchrun --nproc-per-node 2 -m bench.eval ...      # problems sharded over ranks (gloo on CPU)
+
+Every method decodes the same problems with the same model, batch size and cache mode in one run,
+so wall-clock speedups over greedy are ratios measured side by side (greedy is added as the
+baseline if not listed). Per-problem results go to a JSONL file; the summary table gives accuracy,
+TPF (tokens / calls), calls per problem, tokens/s and the speedup; the last line printed is one
+JSON object. Method specs: `name[:key=value,...]` with keys tau (threshold), kappa, w (window),
+steps, d (depth), policy, acceptance, k, graph (a graph file), score.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine import DecodeConfig, Decoder, DraftGraph, InputError
+from engine.cli import DEFAULT_MODEL_DIR, _Parser
+from models import CheckpointError, Tokenizer, load_model
+
+from .tasks import TASKS, get_task
+
+FEW_SHOT = {"math": 0, "code": 0, "gsm8k": 5, "humaneval": 0, "mbpp": 3}
+_KEYS = {"tau": "threshold", "threshold": "threshold", "kappa": "kappa", "w": "window", "window": "window",
+         "steps": "steps", "d": "depth", "depth": "depth", "policy": "policy_name", "acceptance": "acceptance",
+         "k": "k", "graph": "graph", "score": "score"}
+_INTS = {"window", "steps", "depth", "k"}
+_FLOATS = {"threshold", "kappa"}
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """`psd:policy=confidence,d=3` -> ("psd", {"policy_name": "confidence", "depth": 3})."""
+    name, _, rest = spec.partition(":")
+    opts = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq or key.strip() not in _KEYS:
+            raise InputError(f"bad method option {item!r} in {spec!r}; keys: {', '.join(sorted(_KEYS))}")
+        field = _KEYS[key.strip()]
+        try:
+            opts[field] = (int(val) if field in _INTS else float(val) if field in _FLOATS
+                           else DraftGraph.load(val) if field == "graph" else val.strip())
+        except ValueError:
+            raise InputError(f"bad value {val!r} for {key} in {spec!r}") from None
+    return name.strip(), opts
+
+
+def _truncate(text: str, stops) -> str:
+    cut = len(text)
+    for s in stops:
+        i = text.find(s)
+        if i >= 0:
+            cut = min(cut, i)
+    return text[:cut]
+
+
+def _dist():
+    """(rank, world) from torchrun's environment; initialises gloo/nccl when world > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def _gather(obj, world):
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None):
+    """Decode all problems with one method; returns (per-problem records, wall seconds, results)."""
+    cfg = DecodeConfig(method=name, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
+                       **opts).validate()
+    dec = Decoder(model, cfg, trace=trace)
+    records, all_res = [], []
+    t0 = time.perf_counter()
+    from tqdm import tqdm
+
+    batches = range(0, len(prompts), args.batch_size)
+    for i in tqdm(batches, desc=f"{cfg.describe()}", disable=args.quiet or not sys.stderr.isatty(), file=sys.stderr):
+        res = dec.generate(prompts[i:i + args.batch_size])
+        for p, r in zip(problems[i:i + args.batch_size], res):
+            text = _truncate(tok.decode(r.token_ids), getattr(task, "STOP_SEQUENCES", ()))
+            records.append({"id": p["id"], "method": cfg.describe(), "spec": name, "completion": text,
+                            "tokens": r.tokens, "calls": r.calls, "rows_per_call": r.rows_per_call,
+                            "accepted_depth": {str(k): v for k, v in r.accepted_depth.items()},
+                            "draft_tokens": sum(r.commit_source)})
+            all_res.append(r)
+    wall = time.perf_counter() - t0
+    # scoring is outside the timed region (code runs in a sandbox)
+    ok = task.score_batch([rec["completion"] for rec in records], problems) if hasattr(task, "score_batch") \
+        else [task.score(rec["completion"], p) for rec, p in zip(records, problems)]
+    for rec, good in zip(records, ok):
+        rec["correct"] = bool(good)
+    return records, wall, all_res
+
+
+def summarize(records: list[dict], walls: dict[str, float], order: list[str]) -> list[dict]:
+    """One row per method from the per-problem records (the table is derived from the JSONL)."""
+    rows = []
+    base = walls.get(order[0])
+    for m in order:
+        recs = [r for r in records if r["method"] == m]
+        tokens, calls = sum(r["tokens"] for r in recs), sum(r["calls"] for r in recs)
+        rows.append({"method": m, "problems": len(recs), "accuracy": sum(r["correct"] for r in recs) / max(len(recs), 1),
+                     "tpf": tokens / max(calls, 1), "calls_per_problem": calls / max(len(recs), 1),
+                     "tokens": tokens, "calls": calls, "seconds": walls[m],
+                     "tokens_per_s": tokens / max(walls[m], 1e-9),
+                     "speedup": (base / walls[m]) if base else None})
+    return rows
+
+
+def format_table(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| method | accuracy | TPF | calls/problem | tokens/s | speedup vs greedy |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | {r['calls_per_problem']:.1f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = _Parser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--task", default="math", choices=TASKS)
+    p.add_argument("--data", help="task data file (gsm8k/mbpp JSONL, humaneval JSONL[.gz])")
+    p.add_argument("--few-shot-data", help="file of few-shot examples (default: --data)")
+    p.add_argument("--methods", nargs="+", default=["greedy", "confidence"])
+    p.add_argument("--limit", type=int)
+    p.add_argument("--few-shot", type=int, help="examples in the prompt (default: 5 gsm8k, 3 mbpp, 0 otherwise)")
+    p.add_argument("--gen-length", type=int, default=64)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--cache", default="none", choices=["none", "prefix", "dual"])
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--out", help="per-problem JSONL (default: bench/results/eval_<task>.jsonl)")
+    p.add_argument("--plot", help="directory for the PNG figures")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except (InputError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    rank, world = _dist()
+    task = get_task(args.task)
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit must be >= 1, got {args.limit}")
+    specs = [parse_method(s) for s in args.methods]
+    if specs[0][0] != "greedy" or specs[0][1]:
+        specs = [s for s in specs if s != ("greedy", {})]
+        specs.insert(0, ("greedy", {}))               # the speed baseline, measured in this run
+    if args.data is None and args.task in ("gsm8k", "mbpp"):
+        raise InputError(f"--task {args.task} needs --data PATH (a local JSONL file in the standard format)")
+    problems = task.load(args.data, limit=args.limit)
+    k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot
+    shots = task.few_shot(k, args.few_shot_data or args.data) if k else []
+    if not Path(args.model).is_dir():
+        raise CheckpointError(f"model directory {args.model} does not exist")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if world > 1 and device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    model = load_model(args.model, dtype=args.dtype, device=device)
+    tok = Tokenizer(args.model)
+    mine = problems[rank::world]
+    prompts = [tok.encode(task.format_prompt(pr, shots)) for pr in mine]
+    records, walls, traces, results = [], {}, {}, {}
+    for name, opts in specs:
+        steps = []
+        trace = (lambda rows, blk, st, rk, pr, _s=steps: _s.append((rows.tolist(), blk, st.tolist(), rk.tolist()))) \
+            if args.plot and name == "greedy" else None
+        recs, wall, res = run_method(model, tok, task, mine, prompts, name, opts, args, trace)
+        m = recs[0]["method"] if recs else name
+        walls[m] = wall
+        records += recs
+        results[m] = res
+        traces[m] = steps
+    gathered = _gather((records, walls), world)
+    if rank != 0:
+        return 0
+    records = [r for recs, _ in gathered for r in recs]
+    walls = {m: max(w[m] for _, w in gathered) for m in walls}          # a method ends with its slowest rank
+    order = list(walls)
+    rows = summarize(records, walls, order)
+    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"eval_{args.task}.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    dev = torch.cuda.get_device_name(0) if device.startswith("cuda") else "CPU"
+    header = (f"task={args.task} problems={len(problems)} model={args.model} gen={args.gen_length} "
+              f"block={args.block_length} cache={args.cache} batch={args.batch_size} ranks={world} device={dev}")
+    print(format_table(rows, header))
+    if args.plot:
+        from .plots import write_plots
+
+        files = write_plots(Path(args.plot), rows, results, traces, args.block_length)
+        print("figures: " + ", ".join(str(f) for f in files))
+    print(json.dumps({"task": args.task, "problems": len(problems), "results_file": str(out), "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

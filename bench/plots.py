@@ -1,0 +1,107 @@
+"""The paper's figures from one `bench.eval` run (matplotlib, Agg backend, PNG files)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def precision_at_k(results, trace, block_len: int, horizons=(1, 2, 3, 4), ks=range(1, 9)) -> dict:
+    """For the plain greedy run: the fraction of steps t at which the position committed at step
+    t + h lies within the top-K of step t's confidence order σ_t (the paper's Figure 3)."""
+    by_step = {}
+    for rows, blk, steps, ranks in trace:
+        for r, t, rk in zip(rows, steps, ranks):
+            by_step[(r, blk, t)] = rk
+    committed = {}
+    for r, res in enumerate(results):
+        for j in range(res.tokens):
+            committed[(r, res.commit_block[j], res.commit_step[j])] = j - res.commit_block[j] * block_len
+    out = {}
+    for h in horizons:
+        hits = {k: 0 for k in ks}
+        n = 0
+        for (r, blk, t), ranks in by_step.items():
+            pos = committed.get((r, blk, t + h))
+            if pos is None or pos >= len(ranks):
+                continue
+            n += 1
+            for k in ks:
+                hits[k] += ranks[pos] < k
+        out[h] = {k: hits[k] / n for k in ks} if n else {}
+    return out
+
+
+def contribution_profile(results, block_len: int, bins: int = 8) -> tuple[list[float], list[float]]:
+    """Share of committed tokens from stage 1 and from accepted drafts by block progress (the
+    fraction of the block already committed when the token was), as in the paper's Figure 4."""
+    s1, sp = [0] * bins, [0] * bins
+    for res in results:
+        for blk in set(res.commit_block):
+            idx = [j for j in range(res.tokens) if res.commit_block[j] == blk]
+            idx.sort(key=lambda j: (res.commit_call[j], j))
+            done = 0
+            for call in sorted({res.commit_call[j] for j in idx}):
+                group = [j for j in idx if res.commit_call[j] == call]
+                b = min(bins - 1, int(bins * done / block_len))
+                for j in group:
+                    (sp if res.commit_source[j] else s1)[b] += 1
+                done += len(group)
+    total = max(sum(s1) + sum(sp), 1)
+    return [c / total for c in s1], [c / total for c in sp]
+
+
+def write_plots(out_dir: Path, rows, results: dict, traces: dict, block_len: int) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for r in rows:
+        ax.scatter(r["tpf"], 100 * r["accuracy"], s=40)
+        ax.annotate(r["method"], (r["tpf"], 100 * r["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("tokens per forward call (TPF)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("accuracy vs parallelism")
+    ax.grid(alpha=0.3)
+    files.append(out_dir / "pareto.png")
+    fig.tight_layout()
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    greedy = next((m for m in results if m.startswith("greedy")), None)
+    if greedy and traces.get(greedy):
+        prec = precision_at_k(results[greedy], traces[greedy], block_len)
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for h, curve in prec.items():
+            if curve:
+                ax.plot(list(curve), [100 * v for v in curve.values()], marker="o", label=f"step t+{h}")
+        ax.set_xlabel("K (top-K of the step-t confidence order)")
+        ax.set_ylabel("precision@K (%)")
+        ax.set_title("predictability of future decoding positions (greedy)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        files.append(out_dir / "lookahead.png")
+        fig.tight_layout()
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+
+    spec = [m for m in results if any(r.commit_source.count(1) for r in results[m])]
+    if spec:
+        fig, axes = plt.subplots(1, len(spec), figsize=(5 * len(spec), 4), squeeze=False)
+        for ax, m in zip(axes[0], spec):
+            s1, sp = contribution_profile(results[m], block_len)
+            x = [(i + 0.5) / len(s1) for i in range(len(s1))]
+            ax.plot(x, [100 * v for v in s1], marker="o", label="stage 1 (parallel)")
+            ax.plot(x, [100 * v for v in sp], marker="s", label="accepted drafts (speculative)")
+            ax.set_xlabel("block progress")
+            ax.set_ylabel("share of committed tokens (%)")
+            ax.set_title(m, fontsize=8)
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+        files.append(out_dir / "contribution.png")
+        fig.tight_layout()
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    return files

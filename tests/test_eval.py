@@ -1,0 +1,102 @@
+"""bench.eval: the summary table is derived from the per-problem JSONL it writes; method specs;
+plots; torchrun sharding over 2 CPU ranks with gloo."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.eval import main as eval_main
+from bench.eval import parse_method
+from engine import InputError
+from models.random_checkpoint import make_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = ROOT / "models" / "default"
+
+
+def _check_table_against_jsonl(stdout: str, jsonl: Path, n: int):
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    records = [json.loads(l) for l in jsonl.read_text().splitlines()]
+    assert summary["problems"] == n
+    for row in summary["rows"]:
+        recs = [r for r in records if r["method"] == row["method"]]
+        assert len(recs) == row["problems"] == n
+        assert row["accuracy"] == pytest.approx(sum(r["correct"] for r in recs) / n)
+        tokens, calls = sum(r["tokens"] for r in recs), sum(r["calls"] for r in recs)
+        assert row["tpf"] == pytest.approx(tokens / calls)
+        assert row["calls_per_problem"] == pytest.approx(calls / n)
+        assert f"| {row['method']} | {100 * row['accuracy']:.1f}% | {row['tpf']:.2f} |" in stdout
+    assert summary["rows"][0]["method"] == "greedy" and summary["rows"][0]["speedup"] == 1.0
+    return summary, records
+
+
+@pytest.mark.skipif(not (DEFAULT / "config.json").is_file(), reason="no shipped model")
+def test_eval_math_limit_50_table_matches_jsonl(tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    assert eval_main(["--task", "math", "--methods", "greedy", "confidence", "--limit", "50", "--out", str(out),
+                      "--quiet"]) == 0
+    _check_table_against_jsonl(capsys.readouterr().out, out, 50)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("eval") / "m", "llada", seed=1, eos_bias=8.0)[0]
+
+
+def test_plots_and_speculative_rows(tiny, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    code = eval_main(["--model", str(tiny), "--task", "math", "--methods", "confidence:tau=0.3", "spiffy:d=3",
+                      "--limit", "6", "--gen-length", "32", "--block-length", "16", "--out", str(out),
+                      "--plot", str(tmp_path / "fig"), "--quiet"])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    summary, records = _check_table_against_jsonl(stdout, out, 6)
+    assert [r["method"] for r in summary["rows"]][0] == "greedy"            # baseline added
+    greedy = {r["id"]: r["completion"] for r in records if r["method"] == "greedy"}
+    spiffy = {r["id"]: r["completion"] for r in records if r["method"].startswith("spiffy")}
+    assert greedy == spiffy                                                  # lossless
+    for f in ("pareto.png", "lookahead.png", "contribution.png"):
+        assert (tmp_path / "fig" / f).stat().st_size > 1000
+
+
+def test_parse_method_specs():
+    assert parse_method("greedy") == ("greedy", {})
+    assert parse_method("confidence:tau=0.8") == ("confidence", {"threshold": 0.8})
+    assert parse_method("psd:policy=localleap,d=5,acceptance=exact") == (
+        "psd", {"policy_name": "localleap", "depth": 5, "acceptance": "exact"})
+    assert parse_method("lopa:k=3,tau=0.9") == ("lopa", {"k": 3, "threshold": 0.9})
+    with pytest.raises(InputError, match="bad method option"):
+        parse_method("psd:depth")
+    with pytest.raises(InputError, match="bad value"):
+        parse_method("psd:d=three")
+
+
+def test_bad_eval_input(tiny, capsys):
+    assert eval_main(["--model", str(tiny), "--methods", "beam", "--limit", "2"]) == 2
+    assert "unknown method 'beam'" in capsys.readouterr().err
+    assert eval_main(["--model", str(tiny), "--task", "gsm8k"]) == 2          # needs --data
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_torchrun_two_ranks_gather_one_result(tiny, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    common = ["--model", str(tiny), "--task", "math", "--methods", "greedy", "--limit", "6",
+              "--gen-length", "16", "--block-length", "16", "--quiet"]
+    sharded = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-port", "29517", "-m", "bench.eval", *common, "--out", str(tmp_path / "s.jsonl")],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert sharded.returncode == 0, sharded.stderr[-2000:]
+    single = subprocess.run([sys.executable, "-m", "bench.eval", *common, "--out", str(tmp_path / "one.jsonl")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-2000:]
+    s = {r["id"]: r["completion"] for r in map(json.loads, (tmp_path / "s.jsonl").read_text().splitlines())}
+    o = {r["id"]: r["completion"] for r in map(json.loads, (tmp_path / "one.jsonl").read_text().splitlines())}
+    assert len(s) == 6 and s == o
+    summary = json.loads(sharded.stdout.strip().splitlines()[-1])
+    assert summary["problems"] == 6 and summary["rows"][0]["problems"] == 6
+    assert "ranks=2" in sharded.stdout
