@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
                                     "default: the shipped models/default")
     p.add_argument("--method", default="greedy", choices=METHODS)
-    p.add_argument("--gen-length", type=int, default=128)
-    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--gen-length", type=int, help="default: the checkpoint's generation_config.json, else 128")
+    p.add_argument("--block-length", type=int, help="default: the checkpoint's generation_config.json, else 32")
     p.add_argument("--steps", type=int, help="topk: total steps (default: gen length)")
     p.add_argument("--threshold", type=float, help="confidence: tau (default 0.9); localleap: tau (default 0.75)")
     p.add_argument("--kappa", type=float, default=0.9, help="localleap anchor threshold")
@@ -90,7 +90,22 @@ def _device(name: str):
         raise InputError(f"unknown device {name!r}") from None
 
 
+def _generation_defaults(model_dir: Path) -> dict:
+    """gen_length / block_length a checkpoint suggests in its generation_config.json, if any."""
+    f = model_dir / "generation_config.json"
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+    except (OSError, ValueError):
+        cfg = {}
+    return {k: int(cfg[k]) for k in ("gen_length", "block_length") if isinstance(cfg.get(k), int)}
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.model is None and (DEFAULT_MODEL_DIR / "config.json").is_file():
+        args.model = str(DEFAULT_MODEL_DIR)
+    sizes = _generation_defaults(Path(args.model)) if args.model else {}
+    args.gen_length = args.gen_length or sizes.get("gen_length", 128)
+    args.block_length = args.block_length or sizes.get("block_length", 32)
     dc = DecodeConfig(method=args.method, gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                       threshold=args.threshold, kappa=args.kappa, window=args.window, cache=args.cache,
                       score=args.score, temperature=args.temperature, seed=args.seed, conf_dtype=args.conf_dtype,

@@ -156,3 +156,15 @@ def test_subprocess_exit_status_and_no_traceback(ckpt, argv, msg):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and msg in p.stderr
+
+
+@pytest.mark.skipif(not (ROOT / "models" / "default" / "config.json").is_file(), reason="no shipped model")
+def test_no_arguments_answers_a_suite_question_with_the_shipped_model():
+    """`python -m engine.generate` alone: the shipped model, its sample question, its canvas size."""
+    p = subprocess.run([sys.executable, "-m", "engine.generate", "--json"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert p.returncode == 0, p.stderr
+    obj = json.loads(p.stdout)
+    assert "sample question" in p.stderr and "Question:" in p.stderr
+    assert obj["model"].endswith("default") and 1 <= obj["tokens"] <= 64
+    assert obj["text"].strip()
