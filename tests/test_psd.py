@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,3 +317,22 @@ def test_aggregate_statistics(model):
     assert agg["tpf"] == pytest.approx(agg["tokens"] / agg["calls"])
     assert agg["draft_token_share"] == pytest.approx(sum(sum(r.commit_source) for r in res) / agg["tokens"])
     assert sum(agg["accepted_depth"].values()) == sum(sum(r.accepted_depth.values()) for r in res)
+
+
+DEFAULT = Path(__file__).resolve().parent.parent / "models" / "default"
+
+
+@pytest.mark.skipif(not (DEFAULT / "config.json").is_file(), reason="no shipped model")
+def test_lossless_on_the_shipped_model():
+    from bench.tasks import get_task
+    from models import Tokenizer
+
+    model, tok, task = load_model(DEFAULT), Tokenizer(DEFAULT), get_task("math")
+    prompts = [tok.encode(task.format_prompt(p)) for p in task.load(limit=4)]
+    kw = dict(gen_length=64, block_length=32)
+    for plain, spec in ((dict(method="greedy"), dict(method="spiffy", depth=3)),
+                        (dict(method="confidence", threshold=0.9),
+                         dict(method="psd", policy_name="confidence", threshold=0.9, depth=3, acceptance="exact"))):
+        a, b = generate(model, prompts, **plain, **kw), generate(model, prompts, **spec, **kw)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        assert sum(r.calls for r in b) < sum(r.calls for r in a)
