@@ -88,13 +88,15 @@ def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None
     """Decode all problems with one method; returns (per-problem records, wall seconds, results)."""
     cfg = DecodeConfig(method=name, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
                        **opts).validate()
-    dec = Decoder(model, cfg, trace=trace)
+    offset = [0]     # trace rows are batch indices: shift them to problem indices
+    dec = Decoder(model, cfg, trace=None if trace is None else (lambda rows, *rest: trace(rows + offset[0], *rest)))
     records, all_res = [], []
     t0 = time.perf_counter()
     from tqdm import tqdm
 
     batches = range(0, len(prompts), args.batch_size)
     for i in tqdm(batches, desc=f"{cfg.describe()}", disable=args.quiet or not sys.stderr.isatty(), file=sys.stderr):
+        offset[0] = i
         res = dec.generate(prompts[i:i + args.batch_size])
         for p, r in zip(problems[i:i + args.batch_size], res):
             text = _truncate(tok.decode(r.token_ids), getattr(task, "STOP_SEQUENCES", ()))

@@ -100,3 +100,18 @@ def test_torchrun_two_ranks_gather_one_result(tiny, tmp_path):
     summary = json.loads(sharded.stdout.strip().splitlines()[-1])
     assert summary["problems"] == 6 and summary["rows"][0]["problems"] == 6
     assert "ranks=2" in sharded.stdout
+
+
+def test_precision_at_k_uses_problem_indices_across_batches(tiny, tmp_path, capsys, monkeypatch):
+    """Lookahead statistics must not mix up rows of different batches: with batch size 1 and with
+    one batch the curves are identical."""
+    import bench.plots as plots
+
+    seen = []
+    monkeypatch.setattr(plots, "write_plots", lambda out, rows, results, traces, L: seen.append(
+        plots.precision_at_k(results["greedy"], traces["greedy"], L)) or [])
+    for bs in ("1", "6"):
+        assert eval_main(["--model", str(tiny), "--task", "math", "--methods", "greedy", "--limit", "6",
+                          "--gen-length", "16", "--block-length", "16", "--batch-size", bs, "--quiet",
+                          "--out", str(tmp_path / "r.jsonl"), "--plot", str(tmp_path / "f")]) == 0
+    assert seen[0] == seen[1] and seen[0][1]
