@@ -330,9 +330,12 @@ def test_lossless_on_the_shipped_model():
     model, tok, task = load_model(DEFAULT), Tokenizer(DEFAULT), get_task("math")
     prompts = [tok.encode(task.format_prompt(p)) for p in task.load(limit=4)]
     kw = dict(gen_length=64, block_length=32)
-    for plain, spec in ((dict(method="greedy"), dict(method="spiffy", depth=3)),
-                        (dict(method="confidence", threshold=0.9),
-                         dict(method="psd", policy_name="confidence", threshold=0.9, depth=3, acceptance="exact"))):
+    pairs = [(dict(method="greedy"), dict(method="spiffy", depth=3))]
+    for pol, opts in (("confidence", {"threshold": 0.9}), ("topk", {"steps": 16}), ("localleap", {})):
+        pairs.append((dict(method=pol, **opts), dict(method="psd", policy_name=pol, depth=3, acceptance="exact", **opts)))
+    for plain, spec in pairs:
         a, b = generate(model, prompts, **plain, **kw), generate(model, prompts, **spec, **kw)
         assert [r.token_ids for r in a] == [r.token_ids for r in b]
-        assert sum(r.calls for r in b) < sum(r.calls for r in a)
+        assert sum(r.calls for r in b) <= sum(r.calls for r in a)
+        if plain["method"] in ("greedy", "confidence"):     # drafts are accepted often enough to save calls
+            assert sum(r.calls for r in b) < sum(r.calls for r in a)
