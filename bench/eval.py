@@ -13,7 +13,6 @@ steps, d (depth), policy, acceptance, k, graph (a graph file), score.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys

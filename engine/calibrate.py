@@ -13,7 +13,6 @@ relation so every node is reachable, and written as a graph file.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import Counter

@@ -262,7 +262,7 @@ class Decoder:
                 # ---- stage 2: drafts from the last predictions (index ops only)
                 drafts, in_node, nvalid = self._drafts(blk[act], masked[act], pred[act], conf[act])
                 pair = nvalid.reshape(-1).nonzero()[:, 0]      # (row, node) pairs to verify
-                prow, pnode = act[pair // K], pair % K
+                prow = act[pair // K]                         # the sequence (cache row) of each verified draft
                 # ---- stage 3: one batched call over every draft of every active row
                 xr = xs[prow].clone()
                 xr[:, lo:hi] = drafts.reshape(-1, W)[pair]
