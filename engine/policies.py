@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import psd_kernels
+
 NEG_INF = float("-inf")
 
 
@@ -23,12 +25,16 @@ def masked_conf(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
 
 def rank_of(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     """Rank [R, L] of every position: masked ones by confidence descending, lower index first on
-    ties; unmasked ones rank after every masked one."""
-    cm = masked_conf(conf, masked)
-    order = torch.sort(cm, dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return ranks
+    ties (the ordering σ of `psd_kernels.rank_positions`, which computes it); unmasked ones rank
+    after every masked one, in position order."""
+    order, n_masked = psd_kernels.rank_positions(conf.float(), masked)
+    R, L = order.shape
+    unmasked = ~masked
+    ranks = n_masked[:, None] + unmasked.long().cumsum(-1) - 1        # unmasked: after every masked one
+    dest = torch.where(order >= 0, order, torch.full_like(order, L))    # invalid slots go to a spill column
+    ranks = torch.cat([ranks, ranks.new_zeros(R, 1)], -1)
+    ranks.scatter_(-1, dest, torch.arange(L, device=conf.device).expand(R, L))
+    return ranks[:, :L]
 
 
 def _top1_mask(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:

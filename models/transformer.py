@@ -8,7 +8,6 @@ caller asks for, because the engine needs predictions for one block, not the who
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -71,34 +70,6 @@ class KVCache:
         return KVCache(self.layers, self.key_mask, row_map)
 
 
-def _own_attention(q, k, v, mask):
-    """Attention of q [R, H, T, D] over its own keys [R, Hkv, T, D] under mask [R, 1, T, T],
-    returning (out, lse) so it can be merged with the shared-cache part."""
-    R, H, T, D = q.shape
-    G = H // k.shape[1]
-    qf = q.float().reshape(R, k.shape[1], G * T, D)
-    s = qf @ k.float().transpose(-1, -2) / math.sqrt(D)                          # [R, Hkv, G*T, T]
-    m = mask.expand(R, 1, T, T).repeat(1, 1, G, 1)                               # [R, 1, G*T, T]
-    s = s.masked_fill(~m, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = torch.softmax(s, -1) @ v.float()
-    return out.view(R, H, T, D), lse.view(R, H, T)
-
-
-def _shared_only(q, k, v, key_mask):
-    """Attention of q [n, H, T, D] over ONE shared cache k, v [Hkv, S, D] (key_mask [S]), as
-    (out, lse): all n·G·T queries of a kv head in one matmul, no per-row copy of the cache."""
-    n, H, T, D = q.shape
-    Hkv = k.shape[0]
-    G = H // Hkv
-    qf = q.float().reshape(n, Hkv, G, T, D).permute(1, 0, 2, 3, 4).reshape(Hkv, n * G * T, D)
-    s = (qf @ k.float().transpose(-1, -2) / math.sqrt(D)).masked_fill(~key_mask[None, None], float("-inf"))
-    lse = torch.logsumexp(s, -1)                                                 # [Hkv, n*G*T]
-    out = torch.softmax(s, -1).nan_to_num(0.0) @ v.float()
-    out = out.view(Hkv, n, G, T, D).permute(1, 0, 2, 3, 4).reshape(n, H, T, D)
-    return out, lse.view(Hkv, n, G, T).permute(1, 0, 2, 3).reshape(n, H, T)
-
-
 def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = None, all_own: bool = False):
     """Attention of q [R, H, T, D] over own keys [R, Hkv, T, D] (mask [R, 1, T, T]) and cached keys.
 
@@ -106,7 +77,7 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
     map (drafts sharing a sequence's cache), the rows of each cache row go through
     `psd_kernels.shared_prefix_attention` against ONE copy of that cache, so a K-draft call never
     materialises K copies of it; `all_own` says every query may see every own key (bidirectional
-    models), else the own part is computed separately under its mask and merged by log-sum-exp.
+    models), else the kernel applies the own-block mask too (`own_mask`).
     """
     if cache_kv is None or cache.length == 0:
         return F.scaled_dot_product_attention(q, k_own, v_own, attn_mask=own_mask, enable_gqa=True)
@@ -127,14 +98,9 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
         if n == 0:
             continue
         rows = slice(start, start + n)
-        if all_own:
-            out[rows] = psd_kernels.shared_prefix_attention(q[rows], k_c[c], v_c[c], k_own[rows], v_own[rows],
-                                                            shared_mask=km[c])[0]
-        else:
-            o_sh, l_sh = _shared_only(q[rows], k_c[c], v_c[c], km[c])
-            o_own, l_own = _own_attention(q[rows], k_own[rows], v_own[rows],
-                                          own_mask[rows] if own_mask.shape[0] > 1 else own_mask)
-            out[rows] = psd_kernels.merge_attention(o_sh, l_sh, o_own, l_own)[0].to(q.dtype)
+        om = None if all_own else (own_mask[rows, 0] if own_mask.shape[0] > 1 else own_mask[:, 0])
+        out[rows] = psd_kernels.shared_prefix_attention(q[rows], k_c[c], v_c[c], k_own[rows], v_own[rows],
+                                                        shared_mask=km[c], own_mask=om)[0]
         start += n
     return out
 

@@ -87,9 +87,10 @@ def commit(block, masked, pred, conf, k=1, threshold=math.inf, out=None, *, back
 
 
 def shared_prefix_attention(
-    q, k_shared, v_shared, k_own, v_own, scale=None, shared_mask=None, out=None, *, backend=None
+    q, k_shared, v_shared, k_own, v_own, scale=None, shared_mask=None, out=None, *, own_mask=None, backend=None
 ):
-    return _impl("shared_prefix_attention", backend)(q, k_shared, v_shared, k_own, v_own, scale, shared_mask, out)
+    return _impl("shared_prefix_attention", backend)(q, k_shared, v_shared, k_own, v_own, scale, shared_mask, out,
+                                                     own_mask=own_mask)
 
 
 for _f in (top1, rank_positions, assemble_drafts, commit, shared_prefix_attention):

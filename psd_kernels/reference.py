@@ -258,7 +258,7 @@ def commit(
 # --------------------------------------------------------------------------------------------
 # shared-prefix (block-sparse) attention
 # --------------------------------------------------------------------------------------------
-def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask) -> tuple[int, ...]:
+def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask=None) -> tuple[int, ...]:
     for name, t, nd in (("q", q, 4), ("k_shared", k_shared, 3), ("v_shared", v_shared, 3),
                         ("k_own", k_own, 4), ("v_own", v_own, 4)):
         if not isinstance(t, torch.Tensor) or t.dim() != nd:
@@ -287,6 +287,13 @@ def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask) -> tu
             raise ValueError(f"shared_mask has shape {tuple(shared_mask.shape)}, expected ({S},)")
         if shared_mask.device != q.device:
             raise ValueError("shared_mask must be on the device of q")
+    if own_mask is not None:
+        if not isinstance(own_mask, torch.Tensor) or own_mask.dtype != torch.bool:
+            raise ValueError("own_mask must be a bool tensor")
+        if own_mask.dim() != 3 or own_mask.shape[0] not in (1, K) or tuple(own_mask.shape[1:]) != (L, L):
+            raise ValueError(f"own_mask has shape {tuple(own_mask.shape)}, expected ({K} or 1, {L}, {L})")
+        if own_mask.device != q.device:
+            raise ValueError("own_mask must be on the device of q")
     return K, H, L, D, Hkv, S
 
 
@@ -330,6 +337,8 @@ def shared_prefix_attention(
     scale: float | None = None,
     shared_mask: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    own_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of K draft blocks over ONE shared KV cache plus each draft's own block.
 
@@ -337,10 +346,13 @@ def shared_prefix_attention(
     k_own, v_own [K, Hkv, L, D]; H a multiple of Hkv (GQA); S may be 0. Draft k's queries see
     all S shared keys (those with ``shared_mask`` [S] True, when given) and the L keys of
     draft k, never another draft's. ``scale`` defaults to 1/sqrt(D).
+    ``own_mask`` bool [K or 1, L, L], when given, restricts the own part: query i of draft k sees
+    own key j iff ``own_mask[k, i, j]`` (e.g. a causal block); a query that then sees no key at
+    all gets out 0 and lse -inf.
     Returns ``out`` [K, H, L, D] in q's dtype and ``lse`` float32 [K, H, L], the natural
     log-sum-exp of the scaled scores. ``out=(out, lse)`` receives the results.
     """
-    K, H, L, D, Hkv, S = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask)
+    K, H, L, D, Hkv, S = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     G = H // Hkv
     qf = q.float()
@@ -354,7 +366,10 @@ def shared_prefix_attention(
     lse_sh = lse_sh.view(Hkv, K, G, L).permute(1, 0, 2, 3).reshape(K, H, L)
     # Own part: draft k's G*L queries of kv head g against its own L keys.
     q_own = qf.reshape(K, Hkv, G * L, D)
-    o_own, lse_own = _attend(q_own, k_own.float(), v_own.float(), scale)
+    om = None
+    if own_mask is not None:   # [K|1, L, L] -> [K|1, 1, G*L, L]: every head of a group shares the mask
+        om = own_mask[:, None, None].expand(own_mask.shape[0], 1, G, L, L).reshape(own_mask.shape[0], 1, G * L, L)
+    o_own, lse_own = _attend(q_own, k_own.float(), v_own.float(), scale, om)
     o_own = o_own.view(K, H, L, D)
     lse_own = lse_own.view(K, H, L)
     o, lse = merge_attention(o_sh, lse_sh, o_own, lse_own)

@@ -83,7 +83,10 @@ def test_root_only_graph_is_the_plain_policy(checkpoint):
 
 # ---------------------------------------------------------------------- cache modes
 @pytest.mark.parametrize("method,opts", [("greedy", {}), ("confidence", {"threshold": 0.2}), ("topk", {"steps": 12}),
-                                         ("localleap", {"threshold": 0.2, "kappa": 0.3})])
+                                         ("localleap", {"threshold": 0.2, "kappa": 0.3}),
+                                         # drafts: verified through shared_prefix_attention with own_mask
+                                         ("psd", {"policy_name": "confidence", "threshold": 0.2, "depth": 3}),
+                                         ("spiffy", {"depth": 3})])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_cache_is_exact_on_context_causal_model(method, opts, cache):
     model = init_random(ModelConfig.tiny("pangu"), seed=4, std=0.3).double()
@@ -134,6 +137,20 @@ def test_ties_break_to_lower_index():
     assert rank_of(conf, masked).tolist() == [[2, 4, 0, 1, 3]]
     sel = TopK(5, 5).select(conf, masked, torch.zeros(1, dtype=torch.long))   # k = 1
     assert sel.nonzero()[:, 1].tolist() == [2]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rank_of_matches_a_sorted_list_definition(seed):
+    """rank_of (built on psd_kernels.rank_positions) against Python's sorted() on coarse, tie-heavy
+    confidences: masked positions by (-conf, index), then unmasked ones by index."""
+    g = torch.Generator().manual_seed(seed)
+    conf = torch.randint(0, 4, (6, 13), generator=g).float() / 4
+    masked = torch.rand(6, 13, generator=g) < 0.2 + 0.2 * seed
+    masked[0] = False                                                # a row with nothing masked
+    got = rank_of(conf, masked).tolist()
+    for r in range(6):
+        key = sorted(range(13), key=lambda i: (not masked[r, i].item(), -conf[r, i].item() if masked[r, i] else 0, i))
+        assert [key.index(i) for i in range(13)] == got[r]
 
 
 def test_confidence_and_localleap_rules():

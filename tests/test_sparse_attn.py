@@ -28,7 +28,7 @@ def make_inputs(K, H, Hkv, L, S, D, dtype, gen, device):
     return r(K, H, L, D), r(Hkv, S, D), r(Hkv, S, D), r(K, Hkv, L, D), r(K, Hkv, L, D)
 
 
-def dense_oracle(q, ks, vs, ko, vo, scale=None, shared_mask=None):
+def dense_oracle(q, ks, vs, ko, vo, scale=None, shared_mask=None, own_mask=None):
     """Dense SDPA over the concatenated keys [shared | all K own blocks] with a materialised
     block mask: draft k sees the shared columns and only its own L columns."""
     K, H, L, D = q.shape
@@ -41,11 +41,13 @@ def dense_oracle(q, ks, vs, ko, vo, scale=None, shared_mask=None):
     queries = q.float().permute(1, 0, 2, 3).reshape(H, K * L, D)  # rows (draft, position)
     draft_of_row = torch.arange(K).repeat_interleave(L)
     own = draft_of_row[:, None] == draft_of_row[None, :]  # [K*L, K*L] block diagonal
+    if own_mask is not None:                              # [K|1, L, L] inside each diagonal block
+        own = own & torch.block_diag(*own_mask.cpu().expand(K, L, L).unbind(0))
     shared = torch.ones(K * L, S, dtype=torch.bool) if shared_mask is None else shared_mask.cpu().expand(K * L, S)
     mask = torch.cat([shared, own], 1)
-    out = F.scaled_dot_product_attention(queries, keys, vals, attn_mask=mask, scale=scale)
     scores = (queries @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, -1)
+    out = (torch.softmax(scores, -1).nan_to_num(0.0) @ vals)   # a row that sees nothing: 0
     return out.view(H, K, L, D).permute(1, 0, 2, 3), lse.view(H, K, L).permute(1, 0, 2)
 
 
@@ -117,6 +119,60 @@ def test_shared_mask(S, density, device):
         empty = torch.empty(Hkv, 0, D)
         own_only = reference.shared_prefix_attention(q, empty, empty, ko, vo)
         torch.testing.assert_close(out.cpu(), own_only[0], **TOL[torch.float32])
+
+
+def _own_masks(K, L, gen):
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    rand = torch.rand(K, L, L, generator=gen) < 0.5
+    rand[:, 0] = False                                    # query 0 of every draft sees no own key
+    return {"causal_broadcast": causal[None], "random_per_draft": rand}
+
+
+@pytest.mark.parametrize("kind", ["causal_broadcast", "random_per_draft"])
+@pytest.mark.parametrize("S", [0, 40])
+def test_reference_own_mask_matches_dense_oracle(kind, S):
+    gen = torch.Generator().manual_seed(S + len(kind))
+    K, H, Hkv, L, D = 3, 4, 2, 7, 16
+    q, ks, vs, ko, vo = make_inputs(K, H, Hkv, L, S, D, torch.float32, gen, "cpu")
+    om = _own_masks(K, L, gen)[kind]
+    shared_mask = (torch.rand(S, generator=gen) < 0.7) if S else None
+    out, lse = reference.shared_prefix_attention(q, ks, vs, ko, vo, shared_mask=shared_mask, own_mask=om)
+    o_ref, l_ref = dense_oracle(q, ks, vs, ko, vo, shared_mask=shared_mask, own_mask=om)
+    torch.testing.assert_close(out, o_ref, **TOL[torch.float32])
+    torch.testing.assert_close(lse, l_ref, **LSE_TOL)
+    full = reference.shared_prefix_attention(q, ks, vs, ko, vo, shared_mask=shared_mask)[0]
+    assert not torch.allclose(out, full, atol=1e-3)      # the mask does change the result
+    if S == 0 and kind == "random_per_draft":            # query 0 sees nothing at all
+        assert torch.all(out[:, :, 0] == 0) and torch.all(torch.isneginf(lse[:, :, 0]))
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["causal_broadcast", "random_per_draft"])
+@pytest.mark.parametrize("S", [0, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_own_mask_matches_reference(kind, S, dtype, device):
+    gen = torch.Generator().manual_seed(3 * S + len(kind))
+    K, H, Hkv, L, D = 3, 4, 2, 7, 16
+    inputs = make_inputs(K, H, Hkv, L, S, D, dtype, gen, device)
+    om = _own_masks(K, L, gen)[kind]
+    shared_mask = (torch.rand(S, generator=gen) < 0.7) if S else None
+    out, lse = run_triton(*inputs, shared_mask=None if shared_mask is None else shared_mask.to(device),
+                          own_mask=om.to(device))
+    out_ref, lse_ref = reference.shared_prefix_attention(*cpu(inputs), shared_mask=shared_mask, own_mask=om)
+    torch.testing.assert_close(out.cpu(), out_ref, **TOL[dtype])
+    torch.testing.assert_close(lse.cpu(), lse_ref, **LSE_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_own_mask_bad_input(backend, device):
+    gen = torch.Generator().manual_seed(0)
+    dev = device if backend == "triton" else "cpu"
+    inputs = make_inputs(2, 4, 2, 5, 3, 16, torch.float32, gen, dev)
+    for bad, msg in ((torch.ones(2, 5, 4, dtype=torch.bool), "own_mask has shape"),
+                     (torch.ones(3, 5, 5, dtype=torch.bool), "own_mask has shape"),
+                     (torch.ones(2, 5, 5), "own_mask must be a bool")):
+        with pytest.raises(ValueError, match=msg):
+            psd_kernels.shared_prefix_attention(*inputs, own_mask=bad.to(dev), backend=backend)
 
 
 @needs_triton

@@ -47,7 +47,7 @@ def _attend_tile(q, kt, v, keep, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, 
 
 @triton.jit
 def _shared_prefix_attn_kernel(
-    Q, KS, VS, KO, VO, SMASK, O, LSE,
+    Q, KS, VS, KO, VO, SMASK, OMASK, O, LSE,
     stride_qk, stride_qh, stride_ql, stride_qd,
     stride_ksh, stride_kss, stride_ksd,
     stride_vsh, stride_vss, stride_vsd,
@@ -56,9 +56,10 @@ def _shared_prefix_attn_kernel(
     stride_ok, stride_oh, stride_ol, stride_od,
     stride_lk, stride_lh, stride_ll,
     stride_mask,
+    stride_omk, stride_omi, stride_omj,
     K, L, S, M, S_BUCKET, qk_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_OWN_MASK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # S_BUCKET (next power of two of S) is only an autotune key: keys on S itself would
@@ -117,12 +118,18 @@ def _shared_prefix_attn_kernel(
         v = tl.load(vo_base + kk[:, None] * stride_vok + lk[:, None] * stride_vol + offs_d[None, :] * stride_vod,
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         keep2 = n_ok[None, :] & (kk[None, :] == kq[:, None])
+        if HAS_OWN_MASK:   # own_mask[k, i, j] (stride_omk = 0 broadcasts one mask over the drafts)
+            om = tl.load(OMASK + kq.to(tl.int64)[:, None] * stride_omk + lq[:, None] * stride_omi
+                         + lk[None, :] * stride_omj, mask=keep2 & row_ok[:, None], other=0)
+            keep2 = keep2 & (om != 0)
         m_i, l_i, acc = _attend_tile(q, kt, v, keep2, m_i, l_i, acc, qk_scale, UPCAST, DOT_PRECISION)
 
-    # Every real row saw its own L >= 1 keys, so l_i > 0 there; padded rows are not stored.
-    l_safe = tl.where(row_ok, l_i, 1.0)
+    # Without an own mask every real row saw its own L >= 1 keys, so l_i > 0; with one, a row may
+    # see nothing (out 0, lse -inf, as the reference). Padded rows are not stored.
+    seen = row_ok & (l_i > 0)
+    l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back from log2 to natural log
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # log2 -> natural log
     o_ptrs = O + kq.to(tl.int64)[:, None] * stride_ok + hq[:, None] * stride_oh + lq[:, None] * stride_ol \
         + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -166,11 +173,13 @@ def shared_prefix_attention(
     scale: float | None = None,
     shared_mask: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    own_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    K, H, L, D, Hkv, S = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask)
+    K, H, L, D, Hkv, S = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask)
     if q.dtype not in _DTYPES:
         raise ValueError(f"triton shared_prefix_attention takes float16/bfloat16/float32, got {q.dtype}")
-    check_device(q, k_shared, v_shared, k_own, v_own, shared_mask)
+    check_device(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if out is None:
         o = torch.empty(K, H, L, D, dtype=q.dtype, device=q.device)
@@ -184,15 +193,19 @@ def shared_prefix_attention(
     if M == 0 or D == 0:
         return o, lse
     mask = shared_mask.view(torch.uint8) if shared_mask is not None else q  # q: never read
+    omask = own_mask.view(torch.uint8) if own_mask is not None else q
+    om_strides = (own_mask.stride(0) if own_mask.shape[0] > 1 else 0, *own_mask.stride()[1:]) \
+        if own_mask is not None else (0, 0, 0)
     args = (
-        q, k_shared, v_shared, k_own, v_own, mask, o, lse,
+        q, k_shared, v_shared, k_own, v_own, mask, omask, o, lse,
         *q.stride(), *k_shared.stride(), *v_shared.stride(), *k_own.stride(), *v_own.stride(),
         *o.stride(), *lse.stride(),
         mask.stride(0) if shared_mask is not None else 0,
+        *om_strides,
         K, L, S, M, triton.next_power_of_2(S) if S else 0, scale * _LOG2E,
     )
     meta = dict(
-        HEAD_DIM=D, GROUP=G, HAS_MASK=shared_mask is not None,
+        HEAD_DIM=D, GROUP=G, HAS_MASK=shared_mask is not None, HAS_OWN_MASK=own_mask is not None,
         # the interpreter's dot mishandles 16-bit floats, so it gets fp32 tiles
         UPCAST=INTERPRET or q.dtype == torch.float32,
         # fp32 inputs use exact fp32 products (tf32 would miss the reference by ~1e-3)
