@@ -162,6 +162,19 @@ def main(argv=None) -> int:
         return 2
 
 
+def merge_plot_data(parts):
+    """Concatenate the ranks' (results, traces) for the figures: results rank after rank, and each
+    rank's trace rows (indices into its own results) shifted past the ranks before it."""
+    results, traces, offset = {}, {}, 0
+    for res, tr in parts:
+        for m, rs in res.items():
+            results.setdefault(m, []).extend(rs)
+        for m, steps in tr.items():
+            traces.setdefault(m, []).extend(([r + offset for r in rows], blk, st, rk) for rows, blk, st, rk in steps)
+        offset += len(next(iter(res.values()), []))
+    return results, traces
+
+
 def _run(args) -> int:
     rank, world = _dist()
     task = get_task(args.task)
@@ -196,11 +209,14 @@ def _run(args) -> int:
         records += recs
         results[m] = res
         traces[m] = steps
-    gathered = _gather((records, walls), world)
+    plot_data = (results, traces) if args.plot else None
+    gathered = _gather((records, walls, plot_data), world)
     if rank != 0:
         return 0
-    records = [r for recs, _ in gathered for r in recs]
-    walls = {m: max(w[m] for _, w in gathered) for m in walls}          # a method ends with its slowest rank
+    records = [r for recs, _, _ in gathered for r in recs]
+    walls = {m: max(w[m] for _, w, _ in gathered) for m in walls}       # a method ends with its slowest rank
+    if args.plot and world > 1:
+        results, traces = merge_plot_data([pd for _, _, pd in gathered])
     order = list(walls)
     rows = summarize(records, walls, order)
     out = Path(args.out or Path(__file__).resolve().parent / "results" / f"eval_{args.task}.jsonl")

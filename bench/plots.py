@@ -1,6 +1,7 @@
 """The paper's figures from one `bench.eval` run (matplotlib, Agg backend, PNG files)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -70,9 +71,12 @@ def write_plots(out_dir: Path, rows, results: dict, traces: dict, block_len: int
     fig.savefig(files[-1], dpi=120)
     plt.close(fig)
 
+    data = {"pareto": [{k: r[k] for k in ("method", "accuracy", "tpf")} for r in rows],
+            "precision_at_k": {}, "contribution": {}}
     greedy = next((m for m in results if m.startswith("greedy")), None)
     if greedy and traces.get(greedy):
         prec = precision_at_k(results[greedy], traces[greedy], block_len)
+        data["precision_at_k"] = {str(h): {str(k): v for k, v in curve.items()} for h, curve in prec.items()}
         fig, ax = plt.subplots(figsize=(6, 4.5))
         for h, curve in prec.items():
             if curve:
@@ -92,6 +96,7 @@ def write_plots(out_dir: Path, rows, results: dict, traces: dict, block_len: int
         fig, axes = plt.subplots(1, len(spec), figsize=(5 * len(spec), 4), squeeze=False)
         for ax, m in zip(axes[0], spec):
             s1, sp = contribution_profile(results[m], block_len)
+            data["contribution"][m] = {"stage1": s1, "speculative": sp}
             x = [(i + 0.5) / len(s1) for i in range(len(s1))]
             ax.plot(x, [100 * v for v in s1], marker="o", label="stage 1 (parallel)")
             ax.plot(x, [100 * v for v in sp], marker="s", label="accepted drafts (speculative)")
@@ -104,4 +109,6 @@ def write_plots(out_dir: Path, rows, results: dict, traces: dict, block_len: int
         fig.tight_layout()
         fig.savefig(files[-1], dpi=120)
         plt.close(fig)
+    files.append(out_dir / "figures.json")             # the numbers behind the figures
+    files[-1].write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return files

@@ -85,13 +85,15 @@ def test_bad_eval_input(tiny, capsys):
 
 def test_torchrun_two_ranks_gather_one_result(tiny, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    common = ["--model", str(tiny), "--task", "math", "--methods", "greedy", "--limit", "6",
-              "--gen-length", "16", "--block-length", "16", "--quiet"]
+    common = ["--model", str(tiny), "--task", "math", "--methods", "greedy", "spiffy:d=3",
+              "--limit", "6", "--gen-length", "16", "--block-length", "16", "--quiet"]
     sharded = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                              "--master-port", "29517", "-m", "bench.eval", *common, "--out", str(tmp_path / "s.jsonl")],
+                              "--master-port", "29517", "-m", "bench.eval", *common, "--out", str(tmp_path / "s.jsonl"),
+                              "--plot", str(tmp_path / "fs")],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert sharded.returncode == 0, sharded.stderr[-2000:]
-    single = subprocess.run([sys.executable, "-m", "bench.eval", *common, "--out", str(tmp_path / "one.jsonl")],
+    single = subprocess.run([sys.executable, "-m", "bench.eval", *common, "--out", str(tmp_path / "one.jsonl"),
+                             "--plot", str(tmp_path / "f1")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-2000:]
     s = {r["id"]: r["completion"] for r in map(json.loads, (tmp_path / "s.jsonl").read_text().splitlines())}
@@ -100,6 +102,10 @@ def test_torchrun_two_ranks_gather_one_result(tiny, tmp_path):
     summary = json.loads(sharded.stdout.strip().splitlines()[-1])
     assert summary["problems"] == 6 and summary["rows"][0]["problems"] == 6
     assert "ranks=2" in sharded.stdout
+    # the figures cover every rank's problems, not rank 0's shard only
+    fs, f1 = (json.loads((tmp_path / d / "figures.json").read_text()) for d in ("fs", "f1"))
+    assert fs["precision_at_k"] == f1["precision_at_k"] and fs["precision_at_k"]["1"]
+    assert fs["contribution"] == f1["contribution"] and fs["contribution"]
 
 
 def test_precision_at_k_uses_problem_indices_across_batches(tiny, tmp_path, capsys, monkeypatch):
