@@ -468,3 +468,35 @@ def test_humaneval_real_package_data():
     assert not any(humaneval.score_batch(["    pass\n"] * len(probs), probs))
     # a canonical solution moved to the wrong problem fails there
     assert not humaneval.score(probs[1]["answer"], probs[0])
+
+
+def test_equation_check_on_references_and_corruptions():
+    """Every reference solution's equations are all right; changing one result makes exactly one wrong."""
+    for p in mt.load()[:100]:
+        ok, total = mt.equation_check(p["answer"])
+        assert total >= 2 and ok == total, p["answer"]
+        m = re.search(r"= (\d+)", p["answer"])
+        bad = p["answer"][:m.start(1)] + str(int(m.group(1)) + 1) + p["answer"][m.end(1):]
+        assert mt.equation_check(bad) == (total - 1, total)
+    assert mt.equation_check("12 / 0 = 0. 7 / 2 = 3. 8 / 2 = 4.") == (1, 3)      # exact division only
+    assert mt.equation_check("no equations here") == (0, 0)
+    assert mt.equation_check("2 + 2 = 4\n3 + 3 = 7") == (1, 1)                   # first line only
+
+
+def test_step_accuracy_cli(tmp_path, capsys):
+    from bench.step_accuracy import main as step_main
+
+    recs = [{"method": "greedy", "completion": "2 + 3 = 5. 5 * 2 = 10. #### 10", "correct": True},
+            {"method": "greedy", "completion": "2 + 3 = 6. #### 6", "correct": False},
+            {"method": "fast", "completion": "#### 1", "correct": False}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert step_main([str(path)]) == 0
+    rows = {r["method"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    assert rows["greedy"]["equations"] == 3 and rows["greedy"]["equations_right"] == 2
+    assert rows["greedy"]["accuracy"] == 0.5 and rows["fast"]["equation_accuracy"] == 0.0
+    assert step_main([str(tmp_path / "missing.jsonl")]) == 2
+    (tmp_path / "bad.jsonl").write_text('{"id": 1}\n')
+    assert step_main([str(tmp_path / "bad.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "Traceback" not in err

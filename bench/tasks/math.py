@@ -23,6 +23,7 @@ problem is exactly ``format_prompt(p) + p["answer"]``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -566,3 +567,21 @@ def score(completion: str, problem: dict) -> bool:
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict]) -> list[bool]:
     return [score(c, p) for c, p in zip(completions, problems, strict=True)]
+
+
+_EQUATION = re.compile(r"(-?\d+) ([-+*/]) (-?\d+) = (-?\d+)")
+
+
+def equation_check(completion: str) -> tuple[int, int]:
+    """(correct, total) over the ``a op b = c`` equations the completion writes, each judged on
+    its own operands: a diagnostic that separates "cannot do the arithmetic" from "wrong plan"
+    (a worked solution can be all-correct arithmetic and still answer the wrong question)."""
+    ok = total = 0
+    for a, op, b, c in _EQUATION.findall(completion.split("\n", 1)[0]):
+        a, b, c = int(a), int(b), int(c)
+        total += 1
+        if op == "/":
+            ok += b != 0 and a == b * c
+        else:
+            ok += {"+": a + b, "-": a - b, "*": a * b}[op] == c
+    return ok, total
