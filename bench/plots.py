@@ -58,10 +58,12 @@ def write_plots(out_dir: Path, rows, results: dict, traces: dict, block_len: int
 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for r in rows:
-        ax.scatter(r["tpf"], 100 * r["accuracy"], s=40)
-        ax.annotate(r["method"], (r["tpf"], 100 * r["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    markers = "osD^vP*Xh<>p"
+    for i, r in enumerate(rows):      # a legend, not inline labels: methods often share a point
+        ax.scatter(r["tpf"], 100 * r["accuracy"], s=45, marker=markers[i % len(markers)], alpha=0.8,
+                   label=f'{r["method"]}: {100 * r["accuracy"]:.1f}%, TPF {r["tpf"]:.2f}')
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
     ax.set_xlabel("tokens per forward call (TPF)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title("accuracy vs parallelism")

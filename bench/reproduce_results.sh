@@ -42,3 +42,15 @@ python -m engine.calibrate --model "$MODEL" --policy greedy --depth 4 --nodes 8 
     --gen-length 64 --block-length 32 --dtype "$DTYPE"
 eval_run --task math --limit 100 --methods greedy "spiffy:graph=$MODEL/graph_greedy_d4_n8.json" spiffy:d=7 \
     --out bench/results/eval_math_calibrated.jsonl | tee bench/results/eval_math_calibrated.txt
+
+# 4. the same greedy decoding in float32 (the CLI's default dtype), to show what the dtype changes
+for task in code math; do
+    eval_run --task "$task" --methods greedy --dtype float32 \
+        --out "bench/results/eval_${task}_fp32_greedy.jsonl" | tee "bench/results/eval_${task}_fp32_greedy.txt"
+done
+
+# 5. how aggressive spatial decoding can get before accuracy drops (the suites' discrimination)
+for task in code math; do
+    eval_run --task "$task" --methods greedy topk:steps=8 topk:steps=4 topk:steps=2 confidence:tau=0.3 confidence:tau=0.1 \
+        --out "bench/results/eval_${task}_aggressive.jsonl" | tee "bench/results/eval_${task}_aggressive.txt"
+done
