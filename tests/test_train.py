@@ -174,3 +174,39 @@ def test_shipped_default_model_decodes():
     (res,) = engine.generate(model, [tok.encode(text)], method="greedy", gen_length=64, block_length=32)
     assert 1 <= res.tokens <= 64 and res.calls >= 1
     assert isinstance(tok.decode(res.token_ids), str)
+
+
+def test_resume_with_restart_schedule_and_math_frac(tmp_path, capsys):
+    """A tiny end-to-end run, resumed with a fresh warm-up + cosine segment and a new data mix:
+    the learning rates in the log follow the new segment from the resumed step."""
+    import csv
+
+    out, sd = tmp_path / "m", tmp_path / "state"
+    common = ["--out", str(out), "--state-dir", str(sd), "--vocab", "400", "--hidden", "32", "--layers", "1",
+              "--heads", "2", "--intermediate", "64", "--batch", "4", "--log-every", "1", "--ckpt-every", "100",
+              "--warmup", "2", "--answer-len", "64", "--threads", "1"]
+    T.main(common + ["--steps", "4", "--lr", "1e-3"])
+    T.main(common + ["--resume", "--restart-schedule", "--steps", "8", "--lr", "5e-4", "--math-frac", "1.0"])
+    rows = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(open(sd / "log.csv"))}
+    assert sorted(rows) == list(range(1, 9))
+    assert rows[4] == pytest.approx(T.lr_at(3, 4, 1e-3, 2), rel=1e-3)          # end of the first schedule
+    for step in range(5, 9):                                                    # the new segment: steps 4..7
+        assert rows[step] == pytest.approx(T.lr_at(step - 1 - 4, 8 - 4, 5e-4, 2), rel=1e-3)
+    assert json.loads((sd / "summary.json").read_text())["step"] == 8
+    assert load_model(out).config.num_layers == 1
+    for bad in (["--resume", "--restart-schedule", "--math-frac", "1.5"], ["--restart-schedule"]):
+        with pytest.raises(SystemExit) as ei:
+            T.main(common + bad)
+        assert str(ei.value).startswith("error:")
+
+
+@pytest.mark.parametrize("frac,expected", [(0.5, (32, 32)), (0.65, (42, 22)), (1.0, (64, 0)), (0.0, (0, 64))])
+def test_math_frac_sets_the_batch_mix(monkeypatch, frac, expected):
+    import argparse
+
+    calls = []
+    monkeypatch.setattr(T, "problems", lambda name, n, seed: calls.append((name, n)) or [])
+    monkeypatch.setattr(T, "encode_pairs", lambda *a: [])
+    monkeypatch.setattr(T, "collate", lambda *a: None)
+    T.step_batch(None, 0, argparse.Namespace(batch=64, math_frac=frac, seed=0, answer_len=64), 0)
+    assert calls == [("math", expected[0]), ("code", expected[1])]
