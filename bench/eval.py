@@ -160,6 +160,19 @@ def main(argv=None) -> int:
     except (InputError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _shutdown()
+
+
+def _shutdown() -> None:
+    """Under torchrun: every rank waits for rank 0 to finish writing, then the process group is
+    torn down before the interpreter exits (a rank that exits with a live gloo group can abort
+    with "terminate called without an active exception" and fail the whole launch)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def merge_plot_data(parts):

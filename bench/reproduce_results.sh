@@ -3,6 +3,7 @@
 #
 #   bash bench/reproduce_results.sh            # all of it, on the shipped model
 #   NPROC=4 DTYPE=float32 bash bench/reproduce_results.sh
+#   STEPS="4 5" bash bench/reproduce_results.sh   # only some of the numbered steps below
 #
 # NPROC ranks share the problems (torchrun, gloo on CPU, one device per rank on GPUs), each
 # with OMP_NUM_THREADS intra-op threads. DTYPE is the inference dtype (bfloat16: the dtype the
@@ -16,6 +17,8 @@ NPROC=${NPROC:-2}
 DTYPE=${DTYPE:-bfloat16}
 BATCH=${BATCH:-50}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+STEPS=${STEPS:-1 2 3 4 5}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 METHODS=(greedy confidence:tau=0.9 confidence:tau=0.5 topk:steps=16 localleap spiffy:d=3
          psd:policy=confidence,d=3 psd:policy=localleap,d=3 lopa:k=3 ete:k=2 fdm:k=3)
 
@@ -25,32 +28,33 @@ eval_run() {
 }
 
 # 1. every method of the paper on both held-out files (300 problems each)
-for task in code math; do
+want 1 && for task in code math; do
     eval_run --task "$task" --methods "${METHODS[@]}" \
         --out "bench/results/eval_${task}.jsonl" --plot "docs/figures/${task}" | tee "bench/results/eval_${task}.txt"
 done
 
 # 2. PSD depth sweep (math, first 100 problems)
-eval_run --task math --limit 100 --methods greedy confidence:tau=0.9 spiffy:d=3 \
+want 2 && eval_run --task math --limit 100 --methods greedy confidence:tau=0.9 spiffy:d=3 \
     psd:policy=confidence,d=0 psd:policy=confidence,d=1 psd:policy=confidence,d=3 \
     psd:policy=confidence,d=5 psd:policy=confidence,d=7 \
     --out bench/results/eval_math_psd_depth.jsonl | tee bench/results/eval_math_psd_depth.txt
 
 # 3. calibrated draft graph vs the chain with the same number of rows (math, first 100 problems)
-python -m engine.calibrate --model "$MODEL" --policy greedy --depth 4 --nodes 8 \
+want 3 && python -m engine.calibrate --model "$MODEL" --policy greedy --depth 4 --nodes 8 \
     --prompts "$MODEL/calibration_prompts.jsonl" --out "$MODEL/graph_greedy_d4_n8.json" \
     --gen-length 64 --block-length 32 --dtype "$DTYPE"
-eval_run --task math --limit 100 --methods greedy "spiffy:graph=$MODEL/graph_greedy_d4_n8.json" spiffy:d=7 \
+want 3 && eval_run --task math --limit 100 --methods greedy "spiffy:graph=$MODEL/graph_greedy_d4_n8.json" spiffy:d=7 \
     --out bench/results/eval_math_calibrated.jsonl | tee bench/results/eval_math_calibrated.txt
 
 # 4. the same greedy decoding in float32 (the CLI's default dtype), to show what the dtype changes
-for task in code math; do
+want 4 && for task in code math; do
     eval_run --task "$task" --methods greedy --dtype float32 \
         --out "bench/results/eval_${task}_fp32_greedy.jsonl" | tee "bench/results/eval_${task}_fp32_greedy.txt"
 done
 
 # 5. how aggressive spatial decoding can get before accuracy drops (the suites' discrimination)
-for task in code math; do
+want 5 && for task in code math; do
     eval_run --task "$task" --methods greedy topk:steps=8 topk:steps=4 topk:steps=2 confidence:tau=0.3 confidence:tau=0.1 \
         --out "bench/results/eval_${task}_aggressive.jsonl" | tee "bench/results/eval_${task}_aggressive.txt"
 done
+true
