@@ -79,10 +79,10 @@ def _variants(quick: bool):
         if not sparse_attn._prune_configs([cfg], {"BLOCK_D": block_d}):
             continue
         ptr = {n: f"*{dt}" for n in ("Q", "KS", "VS", "KO", "VO", "O")}
-        ptr.update({"SMASK": "*u8", "LSE": "*fp32"})
-        ce = dict(HEAD_DIM=head_dim, GROUP=4, HAS_MASK=mask, UPCAST=dt == "fp32",
+        ptr.update({"SMASK": "*u8", "OMASK": "*u8", "LSE": "*fp32"})
+        ce = dict(HEAD_DIM=head_dim, GROUP=4, HAS_MASK=mask, HAS_OWN_MASK=mask, UPCAST=dt == "fp32",
                   DOT_PRECISION="ieee" if dt == "fp32" else "tf32", BLOCK_D=block_d, **cfg.kwargs)
-        label = f"shared_prefix_attention {dt} D={head_dim} mask={mask} {cfg.kwargs}"
+        label = f"shared_prefix_attention {dt} D={head_dim} shared+own masks={mask} {cfg.kwargs}"
         yield label, fn, _signature(fn, ptr, {"qk_scale": "fp32"}, ce), ce, cfg.num_warps
 
 
