@@ -28,33 +28,42 @@ eval_run() {
 }
 
 # 1. every method of the paper on both held-out files (300 problems each)
-want 1 && for task in code math; do
-    eval_run --task "$task" --methods "${METHODS[@]}" \
-        --out "bench/results/eval_${task}.jsonl" --plot "docs/figures/${task}" | tee "bench/results/eval_${task}.txt"
-done
+if want 1; then
+    for task in code math; do
+        eval_run --task "$task" --methods "${METHODS[@]}" \
+            --out "bench/results/eval_${task}.jsonl" --plot "docs/figures/${task}" | tee "bench/results/eval_${task}.txt"
+    done
+fi
 
 # 2. PSD depth sweep (math, first 100 problems)
-want 2 && eval_run --task math --limit 100 --methods greedy confidence:tau=0.9 spiffy:d=3 \
-    psd:policy=confidence,d=0 psd:policy=confidence,d=1 psd:policy=confidence,d=3 \
-    psd:policy=confidence,d=5 psd:policy=confidence,d=7 \
-    --out bench/results/eval_math_psd_depth.jsonl | tee bench/results/eval_math_psd_depth.txt
+if want 2; then
+    eval_run --task math --limit 100 --methods greedy confidence:tau=0.9 spiffy:d=3 \
+        psd:policy=confidence,d=0 psd:policy=confidence,d=1 psd:policy=confidence,d=3 \
+        psd:policy=confidence,d=5 psd:policy=confidence,d=7 \
+        --out bench/results/eval_math_psd_depth.jsonl | tee bench/results/eval_math_psd_depth.txt
+fi
 
 # 3. calibrated draft graph vs the chain with the same number of rows (math, first 100 problems)
-want 3 && python -m engine.calibrate --model "$MODEL" --policy greedy --depth 4 --nodes 8 \
-    --prompts "$MODEL/calibration_prompts.jsonl" --out "$MODEL/graph_greedy_d4_n8.json" \
-    --gen-length 64 --block-length 32 --dtype "$DTYPE"
-want 3 && eval_run --task math --limit 100 --methods greedy "spiffy:graph=$MODEL/graph_greedy_d4_n8.json" spiffy:d=7 \
-    --out bench/results/eval_math_calibrated.jsonl | tee bench/results/eval_math_calibrated.txt
+if want 3; then
+    python -m engine.calibrate --model "$MODEL" --policy greedy --depth 4 --nodes 8 \
+        --prompts "$MODEL/calibration_prompts.jsonl" --out "$MODEL/graph_greedy_d4_n8.json" \
+        --gen-length 64 --block-length 32 --dtype "$DTYPE"
+    eval_run --task math --limit 100 --methods greedy "spiffy:graph=$MODEL/graph_greedy_d4_n8.json" spiffy:d=7 \
+        --out bench/results/eval_math_calibrated.jsonl | tee bench/results/eval_math_calibrated.txt
+fi
 
 # 4. the same greedy decoding in float32 (the CLI's default dtype), to show what the dtype changes
-want 4 && for task in code math; do
-    eval_run --task "$task" --methods greedy --dtype float32 \
-        --out "bench/results/eval_${task}_fp32_greedy.jsonl" | tee "bench/results/eval_${task}_fp32_greedy.txt"
-done
+if want 4; then
+    for task in code math; do
+        eval_run --task "$task" --methods greedy --dtype float32 \
+            --out "bench/results/eval_${task}_fp32_greedy.jsonl" | tee "bench/results/eval_${task}_fp32_greedy.txt"
+    done
+fi
 
 # 5. how aggressive spatial decoding can get before accuracy drops (the suites' discrimination)
-want 5 && for task in code math; do
-    eval_run --task "$task" --methods greedy topk:steps=8 topk:steps=4 topk:steps=2 confidence:tau=0.3 confidence:tau=0.1 \
-        --out "bench/results/eval_${task}_aggressive.jsonl" | tee "bench/results/eval_${task}_aggressive.txt"
-done
-true
+if want 5; then
+    for task in code math; do
+        eval_run --task "$task" --methods greedy topk:steps=8 topk:steps=4 topk:steps=2 confidence:tau=0.3 \
+            confidence:tau=0.1 --out "bench/results/eval_${task}_aggressive.jsonl" | tee "bench/results/eval_${task}_aggressive.txt"
+    done
+fi

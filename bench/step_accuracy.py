@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from .tasks.common import read_jsonl
 from .tasks.math import equation_check
 
 
@@ -38,9 +38,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step_accuracy", description=__doc__.split("\n")[0])
     p.add_argument("results", help="per-problem JSONL written by python -m bench.eval --task math")
     args = p.parse_args(argv)
-    path = Path(args.results)
+    path = args.results
     try:
-        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        records = read_jsonl(path)
         if not records or any(not {"method", "completion", "correct"} <= set(r) for r in records):
             raise ValueError("not a bench.eval results file (needs method, completion, correct)")
     except (OSError, ValueError) as e:
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['method']} | {r['problems']} | {100 * r['accuracy']:.1f}% | {r['equations']} | "
               f"{100 * r['equation_accuracy']:.1f}% |")
-    print(json.dumps({"results_file": str(path), "rows": rows}))
+    print(json.dumps({"results_file": path, "rows": rows}))
     return 0
 
 

@@ -12,8 +12,9 @@ One seeded, reproducible script (issue #5):
   sequence t ~ stratified U(eps, 1); every answer-region token is masked with probability t;
   cross-entropy on masked tokens weighted 1/t and normalised by the answer-region length;
 * fresh problems every step from each suite's `generate_train(n, seed)` (seeded by step, so a
-  resumed run sees the same stream), ~50/50 math/code;
-* AdamW, linear warm-up + cosine decay, gradient clipping, bf16 autocast on CPU (AMX) or CUDA;
+  resumed run sees the same stream), `--math-frac` of each batch math (default 0.5), the rest code;
+* AdamW, linear warm-up + cosine decay (`--restart-schedule` plans a fresh segment on resume),
+  gradient clipping, bf16 autocast on CPU (AMX) or CUDA;
 * the resumable state (model, optimiser, step, schedule, RNG states) lives in `--state-dir`
   (default `/work/train_runs/<name of --out>`), never in the shipped directory; at the end (and
   at every checkpoint) the weights are exported to `--out` with `models.save_checkpoint`.
