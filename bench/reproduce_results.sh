@@ -35,20 +35,20 @@ if want 1; then
     done
 fi
 
-# 2. PSD depth sweep (math, first 100 problems)
+# 2. PSD depth sweep (math, all 300 problems)
 if want 2; then
-    eval_run --task math --limit 100 --methods greedy confidence:tau=0.9 spiffy:d=3 \
+    eval_run --task math --methods greedy confidence:tau=0.9 spiffy:d=3 \
         psd:policy=confidence,d=0 psd:policy=confidence,d=1 psd:policy=confidence,d=3 \
         psd:policy=confidence,d=5 psd:policy=confidence,d=7 \
         --out bench/results/eval_math_psd_depth.jsonl | tee bench/results/eval_math_psd_depth.txt
 fi
 
-# 3. calibrated draft graph vs the chain with the same number of rows (math, first 100 problems)
+# 3. calibrated draft graph vs the chain with the same number of rows (math, all 300 problems)
 if want 3; then
     python -m engine.calibrate --model "$MODEL" --policy greedy --depth 4 --nodes 8 \
         --prompts "$MODEL/calibration_prompts.jsonl" --out "$MODEL/graph_greedy_d4_n8.json" \
         --gen-length 64 --block-length 32 --dtype "$DTYPE"
-    eval_run --task math --limit 100 --methods greedy "spiffy:graph=$MODEL/graph_greedy_d4_n8.json" spiffy:d=7 \
+    eval_run --task math --methods greedy "spiffy:graph=$MODEL/graph_greedy_d4_n8.json" spiffy:d=7 \
         --out bench/results/eval_math_calibrated.jsonl | tee bench/results/eval_math_calibrated.txt
 fi
 

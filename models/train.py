@@ -12,7 +12,9 @@ One seeded, reproducible script (issue #5):
   sequence t ~ stratified U(eps, 1); every answer-region token is masked with probability t;
   cross-entropy on masked tokens weighted 1/t and normalised by the answer-region length;
 * fresh problems every step from each suite's `generate_train(n, seed)` (seeded by step, so a
-  resumed run sees the same stream), `--math-frac` of each batch math (default 0.5), the rest code;
+  resumed run sees the same stream), `--math-frac` of each batch math (default 0.5),
+  `--drill-frac` arithmetic drills (`bench.tasks.math.generate_drill`: the equations of fresh
+  math problems, 3-4 per item; default 0), the rest code;
 * AdamW, linear warm-up + cosine decay (`--restart-schedule` plans a fresh segment on resume),
   gradient clipping, bf16 autocast on CPU (AMX) or CUDA;
 * the resumable state (model, optimiser, step, schedule, RNG states) lives in `--state-dir`
@@ -53,6 +55,13 @@ def _task(name):
 def problems(suite: str, n: int, seed: int) -> list[dict]:
     """`n` fresh training problems of one suite (disjoint from its held-out file), seeded."""
     return _task(suite).generate_train(n, seed) if n > 0 else []
+
+
+def drills(n: int, seed: int) -> list[dict]:
+    """`n` arithmetic drills (the suite's own equations, see `bench.tasks.math.generate_drill`), seeded."""
+    from bench.tasks import math as math_suite
+
+    return math_suite.generate_drill(n, seed) if n > 0 else []
 
 
 def pair(suite: str, p: dict) -> tuple[str, str]:
@@ -200,9 +209,11 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 def step_batch(tok, step: int, args, eos: int):
     """The training batch of `step` (depends only on the seed and the step)."""
     n_math = round(args.batch * args.math_frac)
+    n_drill = min(round(args.batch * getattr(args, "drill_frac", 0.0)), args.batch - n_math)
     seed = args.seed * 1_000_003 + step
     pairs = [pair("math", p) for p in problems("math", n_math, seed)]
-    pairs += [pair("code", p) for p in problems("code", args.batch - n_math, seed)]
+    pairs += [pair("math", p) for p in drills(n_drill, seed)]
+    pairs += [pair("code", p) for p in problems("code", args.batch - n_math - n_drill, seed)]
     random.Random(seed).shuffle(pairs)
     return collate(encode_pairs(tok, pairs, args.answer_len, eos), eos)
 
@@ -243,6 +254,8 @@ def build_parser():
                    help="with --resume: plan a fresh warm-up + cosine segment from the resumed step to the new end "
                         "(instead of continuing the saved one; --lr is its peak)")
     p.add_argument("--math-frac", type=float, default=0.5, help="share of math problems in each batch (rest: code)")
+    p.add_argument("--drill-frac", type=float, default=0.0,
+                   help="share of arithmetic drills in each batch (taken from the non-math share; rest: code)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=256)
@@ -281,6 +294,8 @@ def main(argv=None) -> None:
 
     if not 0.0 <= args.math_frac <= 1.0:
         raise SystemExit(f"error: --math-frac must be in [0, 1], got {args.math_frac}")
+    if not 0.0 <= args.drill_frac <= 1.0 - args.math_frac + 1e-9:
+        raise SystemExit(f"error: --drill-frac must be in [0, 1 - --math-frac], got {args.drill_frac}")
     if args.restart_schedule and not args.resume:
         raise SystemExit("error: --restart-schedule needs --resume")
     state = None

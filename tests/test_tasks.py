@@ -483,6 +483,32 @@ def test_equation_check_on_references_and_corruptions():
     assert mt.equation_check("2 + 2 = 4\n3 + 3 = 7") == (1, 1)                   # first line only
 
 
+def test_math_drills_are_correct_suite_equations():
+    """Every drill equation is true, its expression is listed in the prompt in order, and the
+    pool is the suite's own: each equation occurs in some training problem of the same seed."""
+    from bench.tasks.common import normalize_prompt
+
+    M = mt
+    drills = M.generate_drill(200, 11)
+    assert len(drills) == 200 and drills == M.generate_drill(200, 11) and drills != M.generate_drill(200, 12)
+    ops = set()
+    for d in drills:
+        eqs = M._EQUATION.findall(d["answer"])
+        assert M.DRILL_MAX_EQUATIONS - 1 <= len(eqs) <= M.DRILL_MAX_EQUATIONS
+        ok, total = M.equation_check(d["answer"])
+        assert ok == total == len(eqs)
+        assert d["prompt"] == "Compute: " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in eqs) + "."
+        assert d["target"] == eqs[-1][3]
+        assert len(d["answer"]) <= M.MAX_ANSWER_CHARS and d["answer"].isascii()
+        ops |= {op for _, op, _, _ in eqs}
+    assert ops == {"+", "-", "*", "/"}
+    pool = {e for k in range(4) for p in M.generate_train(200, 11 * 31 + k) for e in M._EQUATION.findall(p["answer"])}
+    assert all(e in pool for d in drills for e in M._EQUATION.findall(d["answer"]))
+    # drills never quote a held-out prompt
+    held = M.heldout_prompts()
+    assert not any(normalize_prompt(d["prompt"]) in held for d in drills)
+
+
 def test_step_accuracy_cli(tmp_path, capsys):
     from bench.step_accuracy import main as step_main
 

@@ -200,13 +200,28 @@ def test_resume_with_restart_schedule_and_math_frac(tmp_path, capsys):
         assert str(ei.value).startswith("error:")
 
 
-@pytest.mark.parametrize("frac,expected", [(0.5, (32, 32)), (0.65, (42, 22)), (1.0, (64, 0)), (0.0, (0, 64))])
-def test_math_frac_sets_the_batch_mix(monkeypatch, frac, expected):
+@pytest.mark.parametrize("frac,drill,expected", [(0.5, 0.0, (32, 0, 32)), (0.65, 0.0, (42, 0, 22)),
+                                                 (1.0, 0.0, (64, 0, 0)), (0.0, 0.0, (0, 0, 64)),
+                                                 (0.5, 0.35, (32, 22, 10)), (0.0, 1.0, (0, 64, 0))])
+def test_math_and_drill_frac_set_the_batch_mix(monkeypatch, frac, drill, expected):
     import argparse
 
     calls = []
     monkeypatch.setattr(T, "problems", lambda name, n, seed: calls.append((name, n)) or [])
+    monkeypatch.setattr(T, "drills", lambda n, seed: calls.append(("drill", n)) or [])
     monkeypatch.setattr(T, "encode_pairs", lambda *a: [])
     monkeypatch.setattr(T, "collate", lambda *a: None)
-    T.step_batch(None, 0, argparse.Namespace(batch=64, math_frac=frac, seed=0, answer_len=64), 0)
-    assert calls == [("math", expected[0]), ("code", expected[1])]
+    T.step_batch(None, 0, argparse.Namespace(batch=64, math_frac=frac, drill_frac=drill, seed=0, answer_len=64), 0)
+    assert calls == [("math", expected[0]), ("drill", expected[1]), ("code", expected[2])]
+
+
+def test_drill_frac_beyond_the_non_math_share_is_a_one_line_error(tmp_path):
+    with pytest.raises(SystemExit) as ei:
+        T.main(["--out", str(tmp_path / "m"), "--state-dir", str(tmp_path / "s"), "--math-frac", "0.7",
+                "--drill-frac", "0.4"])
+    assert str(ei.value).startswith("error: --drill-frac") and "\n" not in str(ei.value)
+
+
+def test_drills_are_seeded():
+    a, b = T.drills(16, 3), T.drills(16, 3)
+    assert a == b and a != T.drills(16, 4) and len(a) == 16 and T.drills(0, 3) == []
