@@ -1,0 +1,113 @@
+"""Teacher-forced arithmetic probe: can a checkpoint compute the math suite's equations?
+
+    python -m bench.arith_probe --model models/default [--n 64] [--seed 424242]
+
+Builds `--n` arithmetic drills (`bench.tasks.math.generate_drill`: the suite's own equations,
+3-4 per item), writes each answer on the canvas with **only the result digits masked** and
+reads the model's argmax at those positions in one call. Per operation it reports the share of
+result digits right and of equations whose every result digit is right. Unlike
+`bench.step_accuracy`, which judges whatever equations a decoder wrote, this isolates the
+arithmetic from planning and decoding: the operands and the result's length are given.
+The last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+import torch
+
+_EQ = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+
+
+def build_batch(tok, drills, fmt, mask_id: int, pad_id: int, answer_len: int):
+    """(ids with result digits masked [B, N], targets [B, N], valid [B, N], P, [(b, i, op, eq#)])."""
+    rows = []
+    for d in drills:
+        p = tok.encode(fmt(d))
+        enc = tok._tok.encode(d["answer"])
+        spans = [(m.start(4), m.end(4), m.group(2), k) for k, m in enumerate(_EQ.finditer(d["answer"]))]
+        marks = [next(((op, k) for s0, e0, op, k in spans if s0 <= s and e <= e0 and e > s), None)
+                 for s, e in enc.offsets]
+        if len(enc.ids) > answer_len:
+            raise ValueError(f"drill answer of {len(enc.ids)} tokens exceeds --answer-len {answer_len}")
+        rows.append((p, enc.ids, marks))
+    P = max(len(p) for p, _, _ in rows)
+    B, N = len(rows), P + answer_len
+    ids = torch.full((B, N), pad_id, dtype=torch.long)
+    valid = torch.ones(B, N, dtype=torch.bool)
+    where = []
+    for b, (p, a, marks) in enumerate(rows):
+        ids[b, P - len(p):P] = torch.tensor(p)
+        valid[b, :P - len(p)] = False
+        ids[b, P:P + len(a)] = torch.tensor(a)
+        where += [(b, P + i, m[0], m[1]) for i, m in enumerate(marks) if m is not None]
+    x = ids.clone()
+    for b, i, _, _ in where:
+        x[b, i] = mask_id
+    return x, ids, valid, P, where
+
+
+def probe(model, tok, n: int = 64, seed: int = 424242, answer_len: int = 64) -> dict:
+    from bench.tasks import math as M
+    from models.transformer import attention_mask, position_ids
+
+    cfg = model.config
+    x, target, valid, P, where = build_batch(tok, M.generate_drill(n, seed), M.format_prompt,
+                                             cfg.mask_token_id, cfg.eos_token_id, answer_len)
+    dev = model.device
+    N = x.shape[1]
+    idx = torch.arange(N, device=dev)
+    with torch.no_grad():
+        logits, _ = model(x.to(dev), position_ids(cfg, valid.to(dev)),
+                          attention_mask(cfg, valid.to(dev), P, P, N - P, idx, idx))
+    pred = logits.argmax(-1).cpu()
+    digits: dict[str, list[int]] = {}
+    eqs: dict[tuple[int, int], tuple[str, bool]] = {}
+    for b, i, op, k in where:
+        ok = bool(pred[b, i] == target[b, i])
+        digits.setdefault(op, []).append(ok)
+        prev = eqs.get((b, k), (op, True))
+        eqs[(b, k)] = (op, prev[1] and ok)
+    out = {}
+    for op in sorted(digits):
+        e = [ok for o, ok in eqs.values() if o == op]
+        out[op] = {"digits": len(digits[op]), "digit_accuracy": sum(digits[op]) / len(digits[op]),
+                   "equations": len(e), "equation_accuracy": sum(e) / len(e)}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.arith_probe", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="models/default", help="checkpoint directory")
+    p.add_argument("--n", type=int, default=64, help="number of drills (3-4 equations each)")
+    p.add_argument("--seed", type=int, default=424242, help="drill seed")
+    p.add_argument("--answer-len", type=int, default=64, help="answer region length in tokens")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = p.parse_args(argv)
+    from models import load_model
+    from models.errors import CheckpointError
+    from models.tokenizer import Tokenizer
+
+    if args.n < 1:
+        print(f"error: --n must be >= 1, got {args.n}", file=sys.stderr)
+        return 2
+    try:
+        model, tok = load_model(args.model, dtype=args.dtype), Tokenizer(args.model)
+        res = probe(model, tok, args.n, args.seed, args.answer_len)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("| op | result digits | digit accuracy | equations | equation accuracy |")
+    print("|---|---|---|---|---|")
+    for op, r in res.items():
+        print(f"| {op} | {r['digits']} | {100 * r['digit_accuracy']:.1f}% | {r['equations']} | "
+              f"{100 * r['equation_accuracy']:.1f}% |")
+    print(json.dumps({"model": args.model, "n": args.n, "seed": args.seed, "ops": res}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
