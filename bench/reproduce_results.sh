@@ -17,7 +17,7 @@ NPROC=${NPROC:-2}
 DTYPE=${DTYPE:-bfloat16}
 BATCH=${BATCH:-50}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-STEPS=${STEPS:-1 2 3 4 5}
+STEPS=${STEPS:-1 2 3 4 5 6}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 METHODS=(greedy confidence:tau=0.9 confidence:tau=0.5 topk:steps=16 localleap spiffy:d=3
          psd:policy=confidence,d=3 psd:policy=localleap,d=3 lopa:k=3 ete:k=2 fdm:k=3)
@@ -66,4 +66,9 @@ if want 5; then
         eval_run --task "$task" --methods greedy topk:steps=8 topk:steps=4 topk:steps=2 confidence:tau=0.3 \
             confidence:tau=0.1 --out "bench/results/eval_${task}_aggressive.jsonl" | tee "bench/results/eval_${task}_aggressive.txt"
     done
+fi
+
+# 6. arithmetic with operands given: result digits masked, one call (teacher-forced, no decoding)
+if want 6; then
+    python -m bench.arith_probe --model "$MODEL" | tee bench/results/arith_probe.txt
 fi
