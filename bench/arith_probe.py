@@ -27,13 +27,13 @@ def build_batch(tok, drills, fmt, mask_id: int, pad_id: int, answer_len: int):
     rows = []
     for d in drills:
         p = tok.encode(fmt(d))
-        enc = tok._tok.encode(d["answer"])
+        a_ids, offsets = tok.encode_with_offsets(d["answer"])
         spans = [(m.start(4), m.end(4), m.group(2), k) for k, m in enumerate(_EQ.finditer(d["answer"]))]
         marks = [next(((op, k) for s0, e0, op, k in spans if s0 <= s and e <= e0 and e > s), None)
-                 for s, e in enc.offsets]
-        if len(enc.ids) > answer_len:
-            raise ValueError(f"drill answer of {len(enc.ids)} tokens exceeds --answer-len {answer_len}")
-        rows.append((p, enc.ids, marks))
+                 for s, e in offsets]
+        if len(a_ids) > answer_len:
+            raise ValueError(f"drill answer of {len(a_ids)} tokens exceeds --answer-len {answer_len}")
+        rows.append((p, a_ids, marks))
     P = max(len(p) for p, _, _ in rows)
     B, N = len(rows), P + answer_len
     ids = torch.full((B, N), pad_id, dtype=torch.long)

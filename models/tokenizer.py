@@ -38,6 +38,11 @@ class Tokenizer:
         """Token ids of `text` exactly as given, with the tokenizer's own post-processing (e.g. BOS)."""
         return self._tok.encode(text).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` and each token's (start, end) character span in `text`."""
+        enc = self._tok.encode(text)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids if int(i) >= 0 and self._tok.id_to_token(int(i)) is not None]
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -209,7 +209,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 def step_batch(tok, step: int, args, eos: int):
     """The training batch of `step` (depends only on the seed and the step)."""
     n_math = round(args.batch * args.math_frac)
-    n_drill = min(round(args.batch * getattr(args, "drill_frac", 0.0)), args.batch - n_math)
+    n_drill = min(round(args.batch * args.drill_frac), args.batch - n_math)
     seed = args.seed * 1_000_003 + step
     pairs = [pair("math", p) for p in problems("math", n_math, seed)]
     pairs += [pair("math", p) for p in drills(n_drill, seed)]
