@@ -14,66 +14,53 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 import torch
 
-_EQ = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
-
 
 def build_batch(tok, drills, fmt, mask_id: int, pad_id: int, answer_len: int):
-    """(ids with result digits masked [B, N], targets [B, N], valid [B, N], P, [(b, i, op, eq#)])."""
-    rows = []
-    for d in drills:
-        p = tok.encode(fmt(d))
+    """The drills on `models.train.collate`'s canvas with their result digits masked:
+    (ids [B, N], targets [B, N], valid [B, N], P, [(row, canvas index, op, equation #)])."""
+    from bench.tasks.math import _EQUATION
+    from models.train import collate
+
+    examples, where = [], []
+    for b, d in enumerate(drills):
         a_ids, offsets = tok.encode_with_offsets(d["answer"])
-        spans = [(m.start(4), m.end(4), m.group(2), k) for k, m in enumerate(_EQ.finditer(d["answer"]))]
-        marks = [next(((op, k) for s0, e0, op, k in spans if s0 <= s and e <= e0 and e > s), None)
-                 for s, e in offsets]
         if len(a_ids) > answer_len:
             raise ValueError(f"drill answer of {len(a_ids)} tokens exceeds --answer-len {answer_len}")
-        rows.append((p, a_ids, marks))
-    P = max(len(p) for p, _, _ in rows)
-    B, N = len(rows), P + answer_len
-    ids = torch.full((B, N), pad_id, dtype=torch.long)
-    valid = torch.ones(B, N, dtype=torch.bool)
-    where = []
-    for b, (p, a, marks) in enumerate(rows):
-        ids[b, P - len(p):P] = torch.tensor(p)
-        valid[b, :P - len(p)] = False
-        ids[b, P:P + len(a)] = torch.tensor(a)
-        where += [(b, P + i, m[0], m[1]) for i, m in enumerate(marks) if m is not None]
-    x = ids.clone()
+        spans = [(m.start(4), m.end(4), m.group(2), k) for k, m in enumerate(_EQUATION.finditer(d["answer"]))]
+        where.append([(b, i, op, k) for i, (s, e) in enumerate(offsets)
+                      for s0, e0, op, k in spans if s0 <= s and e <= e0 and e > s])
+        examples.append((tok.encode(fmt(d)), a_ids + [pad_id] * (answer_len - len(a_ids))))
+    target, valid, P = collate(examples, pad_id)
+    where = [(b, P + i, op, k) for row in where for b, i, op, k in row]
+    x = target.clone()
     for b, i, _, _ in where:
         x[b, i] = mask_id
-    return x, ids, valid, P, where
+    return x, target, valid, P, where
 
 
 def probe(model, tok, n: int = 64, seed: int = 424242, answer_len: int = 64) -> dict:
     from bench.tasks import math as M
-    from models.transformer import attention_mask, position_ids
+    from models.train import canvas_logits
 
     cfg = model.config
     x, target, valid, P, where = build_batch(tok, M.generate_drill(n, seed), M.format_prompt,
                                              cfg.mask_token_id, cfg.eos_token_id, answer_len)
-    dev = model.device
-    N = x.shape[1]
-    idx = torch.arange(N, device=dev)
     with torch.no_grad():
-        logits, _ = model(x.to(dev), position_ids(cfg, valid.to(dev)),
-                          attention_mask(cfg, valid.to(dev), P, P, N - P, idx, idx))
-    pred = logits.argmax(-1).cpu()
-    digits: dict[str, list[int]] = {}
-    eqs: dict[tuple[int, int], tuple[str, bool]] = {}
+        pred = canvas_logits(model, x.to(model.device), valid.to(model.device), P).argmax(-1).cpu()
+    digits: dict[str, list[bool]] = {}
+    eqs: dict[tuple[int, int], list[bool]] = {}            # (row, equation #) -> its digits' hits
     for b, i, op, k in where:
         ok = bool(pred[b, i] == target[b, i])
         digits.setdefault(op, []).append(ok)
-        prev = eqs.get((b, k), (op, True))
-        eqs[(b, k)] = (op, prev[1] and ok)
+        eqs.setdefault((b, k), []).append(ok)
+    ops = {(b, k): op for b, _, op, k in where}
     out = {}
     for op in sorted(digits):
-        e = [ok for o, ok in eqs.values() if o == op]
+        e = [all(hits) for key, hits in eqs.items() if ops[key] == op]
         out[op] = {"digits": len(digits[op]), "digit_accuracy": sum(digits[op]) / len(digits[op]),
                    "equations": len(e), "equation_accuracy": sum(e) / len(e)}
     return out

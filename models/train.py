@@ -173,6 +173,17 @@ def sample_t(B: int, eps: float, gen: torch.Generator) -> torch.Tensor:
     return eps + (1 - eps) * u[torch.randperm(B, generator=gen)]
 
 
+def canvas_logits(model: Transformer, x, valid, P: int, autocast: bool = False):
+    """Logits [B, N, V] of a training canvas (`collate`'s layout: prompts left-padded to P, then
+    the answer region) in one bidirectional call; x, valid on the model's device."""
+    N = x.shape[1]
+    idx = torch.arange(N, device=x.device)
+    am = attention_mask(model.config, valid, P, P, N - P, idx, idx)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits, _ = model(x, position_ids(model.config, valid), am)
+    return logits
+
+
 def diffusion_loss(model: Transformer, ids, valid, P: int, gen: torch.Generator, eps: float = 1e-3,
                    autocast: bool = False):
     """LLaDA SFT loss. Only answer-region positions (index >= P) can be masked.
@@ -187,11 +198,7 @@ def diffusion_loss(model: Transformer, ids, valid, P: int, gen: torch.Generator,
     masked = (torch.rand(B, N, generator=gen) < t[:, None]) & is_answer
     ids, valid, masked, t = ids.to(dev), valid.to(dev), masked.to(dev), t.to(dev)
     x = torch.where(masked, torch.full_like(ids, config.mask_token_id), ids)
-    idx = torch.arange(N, device=dev)
-    am = attention_mask(config, valid, P, P, N - P, idx, idx)
-    pos = position_ids(config, valid)
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-        logits, _ = model(x, pos, am)
+    logits = canvas_logits(model, x, valid, P, autocast)
     ce = F.cross_entropy(logits.float().reshape(B * N, -1), ids.reshape(-1), reduction="none").view(B, N)
     w = masked.float() / t[:, None]
     loss = (ce * w).sum() / (B * (N - P))

@@ -544,7 +544,7 @@ DRILL_MAX_EQUATIONS = 4
 def generate_drill(n: int, seed: int, exclude_path: str | Path | None = None) -> list[dict]:
     """``n`` arithmetic drills for training: the ``a op b = c`` steps of fresh training problems
     (so exactly the suite's distribution of operands and operations), pooled, shuffled across
-    problems and dealt 2-4 per drill.  The prompt lists the expressions, the answer works them::
+    problems and dealt 3-4 per drill (4 fill a 64-token answer).  The prompt lists the expressions, the answer works them::
 
         prompt: "Compute: 47 + 38, 96 / 8, 12 * 5."
         answer: "47 + 38 = 85. 96 / 8 = 12. 12 * 5 = 60."
@@ -556,11 +556,11 @@ def generate_drill(n: int, seed: int, exclude_path: str | Path | None = None) ->
     if n <= 0:
         return []
     r = Rng(seed, "math/drill")
-    eqs: list[tuple[str, str]] = []
+    eqs: list[tuple[str, str, str, str]] = []             # (a, op, b, c); the pool covers 4 per drill
     k = 0
-    while len(eqs) < 4 * n:
+    while len(eqs) < DRILL_MAX_EQUATIONS * n:
         for p in generate_train(max(8, n), seed * 31 + k, exclude_path):
-            eqs += [(f"{a} {op} {b}", f"{a} {op} {b} = {c}.") for a, op, b, c in _EQUATION.findall(p["answer"])]
+            eqs += _EQUATION.findall(p["answer"])
         k += 1
     for j in range(len(eqs) - 1, 0, -1):                    # Fisher-Yates with the suite's own Rng
         t = r.randint(0, j)
@@ -570,12 +570,10 @@ def generate_drill(n: int, seed: int, exclude_path: str | Path | None = None) ->
         m = r.randint(DRILL_MAX_EQUATIONS - 1, DRILL_MAX_EQUATIONS)
         chunk = eqs[i:i + m]
         i += m
-        if len(chunk) < DRILL_MAX_EQUATIONS - 1:                                  # pragma: no cover - the pool holds 4n equations
-            raise RuntimeError("math drill pool exhausted")
-        prompt = "Compute: " + ", ".join(e for e, _ in chunk) + "."
-        answer = " ".join(w for _, w in chunk)
+        prompt = "Compute: " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in chunk) + "."
+        answer = " ".join(f"{a} {op} {b} = {c}." for a, op, b, c in chunk)
         out.append({"id": f"math-drill-{seed}-{len(out):07d}", "prompt": prompt, "answer": answer,
-                    "target": chunk[-1][1].rsplit("= ", 1)[1].rstrip(".")})
+                    "target": chunk[-1][3]})
     return out
 
 
