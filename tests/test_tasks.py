@@ -217,6 +217,40 @@ def test_code_generator_references_pass_their_tests_in_process():
         exec(p["answer"] + "\n" + "\n".join(p["target"]["tests"]), ns)
 
 
+def test_code_training_answers_use_every_alternative_and_each_passes_the_asserts():
+    fams = {f.key: f for f in ct.FAMILIES}
+    assert set(ct.ALTERNATIVES) <= set(fams)
+    seen = set()
+    for p in ct.generate_train(6000, 3):
+        bodies = (fams[p["family"]].body,) + ct.ALTERNATIVES.get(p["family"], ())
+        assert 0 <= p["variant"] < len(bodies)
+        seen.add((p["family"], p["variant"]))
+        assert len(p["answer"]) <= ct.MAX_ANSWER_CHARS and p["answer"].isascii()
+        assert p["answer"].split("\n")[0] == p["reference"].split("\n")[0]   # same signature
+        for src in (p["answer"], p["reference"]):
+            exec(src + "\n" + "\n".join(p["target"]["tests"]), {})
+    # every alternative of every family was drawn (and so was checked above)
+    assert seen == {(k, i) for k, f in fams.items() for i in range(1 + len(ct.ALTERNATIVES.get(k, ())))}
+
+
+def test_code_variants_only_change_training_answers():
+    plain = ct.generate_train(400, 21, variants=False)
+    varied = ct.generate_train(400, 21)
+    # same problems in the same order; only the answer's body may differ
+    assert [p["prompt"] for p in plain] == [p["prompt"] for p in varied]
+    assert [p["answer"] for p in plain] == [p["reference"] for p in varied]
+    assert all("reference" not in p for p in plain)
+    changed = sum(p["answer"] != p["reference"] for p in varied)
+    assert 0.2 * len(varied) < changed < 0.6 * len(varied)
+    # loop variables vary, and never shadow an argument
+    loops = {m for p in varied for m in re.findall(r"for (\w+) in", p["answer"])}
+    assert len(loops) >= 5
+    for p in varied:
+        args = re.match(r"def \w+\(([^)]*)\)", p["answer"]).group(1).split(", ")
+        assert not set(re.findall(r"for (\w+) in", p["answer"])) & set(args)
+    assert all("reference" not in p for p in ct.few_shot(3))
+
+
 # --------------------------------------------------------------------------
 # train/test disjointness and regeneration
 

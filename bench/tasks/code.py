@@ -245,10 +245,10 @@ FAMILIES: tuple[Family, ...] = (
       "the smallest number in {x}", "return min({x})", lambda c, xs: min(xs),
       inputs=_list(-5, 30)),
     F("evens", "list", ("evens", "keep_even", "only_even", "even_items"),
-      "a list of the even numbers in {x}", "return [v for v in {x} if v % 2 == 0]",
+      "a list of the even numbers in {x}", "return [{v} for {v} in {x} if {v} % 2 == 0]",
       lambda c, xs: [v for v in xs if v % 2 == 0], inputs=_list(0, 20, 1, 5)),
     F("odds", "list", ("odds", "keep_odd", "only_odd", "odd_items"),
-      "a list of the odd numbers in {x}", "return [v for v in {x} if v % 2 == 1]",
+      "a list of the odd numbers in {x}", "return [{v} for {v} in {x} if {v} % 2 == 1]",
       lambda c, xs: [v for v in xs if v % 2 == 1], inputs=_list(0, 20, 1, 5)),
     F("list_len", "list", ("count_items", "list_len", "num_items", "how_many"),
       "the number of items in {x}", "return len({x})", lambda c, xs: len(xs),
@@ -260,14 +260,14 @@ FAMILIES: tuple[Family, ...] = (
       "the last element of {x}", "return {x}[-1]", lambda c, xs: xs[-1],
       inputs=_list(0, 30)),
     F("add_each", "list", ("add_{k}_each", "shift_{k}", "bump_{k}"),
-      "a list with {k} added to each number in {x}", "return [v + {k} for v in {x}]",
+      "a list with {k} added to each number in {x}", "return [{v} + {k} for {v} in {x}]",
       lambda c, xs: [v + c["k"] for v in xs], _k(1, 10), _list(0, 20, 0, 4)),
     F("double_each", "list", ("double_each", "doubled_list", "twice_each"),
-      "a list with each number in {x} doubled", "return [v * 2 for v in {x}]",
+      "a list with each number in {x} doubled", "return [{v} * 2 for {v} in {x}]",
       lambda c, xs: [v * 2 for v in xs], inputs=_list(-5, 20, 0, 4)),
     F("count_gt", "list", ("count_over_{k}", "num_above_{k}", "count_gt_{k}"),
       "how many numbers in {x} are greater than {k}",
-      "return len([v for v in {x} if v > {k}])",
+      "return len([{v} for {v} in {x} if {v} > {k}])",
       lambda c, xs: len([v for v in xs if v > c["k"]]), _k(3, 15), _list(0, 20, 1, 5)),
     F("sort_list", "list", ("sort_list", "sorted_copy", "in_order"),
       "{x} sorted in increasing order", "return sorted({x})", lambda c, xs: sorted(xs),
@@ -308,6 +308,52 @@ FAMILIES: tuple[Family, ...] = (
 del F
 
 
+# Equivalent bodies a training answer may use instead of the family's reference
+# ``body`` (same placeholders; ``{v}`` is the loop variable).  Real code has many
+# right ways to write a function, and that is what makes parallel decoding lose
+# on MBPP-like tasks: positions that agree with each other only within one way
+# of writing it (operand order in ``a + b`` / ``b + a``, the loop variable used
+# twice in a comprehension, an ``if`` statement against a conditional
+# expression) are independent guesses when committed in the same model call.
+# The held-out file and the few-shot examples keep the reference body; training
+# problems draw one of ``(body,) + ALTERNATIVES[key]`` and a loop variable
+# uniformly, from a separate random stream (so the reference stream, and with it
+# the held-out file, is unchanged).  Every alternative must pass the same
+# asserts as the reference (tests/test_tasks.py checks each one).
+ALTERNATIVES: dict[str, tuple[str, ...]] = {
+    "add_k": ("return {k} + {x}",),
+    "mul_k": ("return {k} * {x}",),
+    "square": ("return {x} ** 2",),
+    "cube": ("return {x} ** 3",),
+    "linear": ("return {j} * {x} + {k}", "return {k} + {x} * {j}"),
+    "double": ("return 2 * {x}", "return {x} + {x}"),
+    "add2": ("return {b} + {a}",),
+    "mul2": ("return {b} * {a}",),
+    "avg2_floor": ("return ({b} + {a}) // 2",),
+    "reverse": ("return ''.join(reversed({x}))",),
+    "concat_space": ("return ' '.join([{a}, {b}])",),
+    "first_char": ("return {x}[:1]",),
+    "last_char": ("return {x}[len({x}) - 1]",),
+    "repeat": ("return {k} * {x}",),
+    "starts_with": ("return {x}[:1] == '{c}'",),
+    "evens": ("return list(filter(lambda {v}: {v} % 2 == 0, {x}))",),
+    "odds": ("return list(filter(lambda {v}: {v} % 2 == 1, {x}))",),
+    "last": ("return {x}[len({x}) - 1]",),
+    "add_each": ("return [{k} + {v} for {v} in {x}]", "return list(map(lambda {v}: {v} + {k}, {x}))"),
+    "double_each": ("return [2 * {v} for {v} in {x}]", "return [{v} + {v} for {v} in {x}]"),
+    "count_gt": ("return sum(1 for {v} in {x} if {v} > {k})",),
+    "reverse_list": ("return list(reversed({x}))",),
+    "max2": ("return {a} if {a} > {b} else {b}", "return max({a}, {b})"),
+    "min2": ("return {a} if {a} < {b} else {b}", "return min({a}, {b})"),
+    "absval": ("return -{x} if {x} < 0 else {x}", "return abs({x})"),
+    "is_positive": ("return 0 < {x}",),
+    "clamp": ("return {k} if {x} > {k} else {x}", "return min({x}, {k})"),
+    "equal2": ("return {b} == {a}",),
+}
+_LOOP_VARS = ("v", "x", "e", "n", "i", "item", "num", "val")
+REFERENCE_LOOP_VAR = "v"
+
+
 def _arg_names(r: Rng, kind: str) -> tuple[str, ...]:
     if kind == "int":
         return (r.choice(_INT_ARGS),)
@@ -322,7 +368,11 @@ def _arg_names(r: Rng, kind: str) -> tuple[str, ...]:
     raise ValueError(kind)
 
 
-def _make_one(r: Rng) -> dict:
+def _make_one(r: Rng, vr: Rng | None = None) -> dict:
+    """One problem from ``r``.  With ``vr`` (training), the answer uses a body
+    and loop variable drawn from ``vr`` (see ``ALTERNATIVES``) and the record
+    also holds the reference answer (``reference``) and the body index
+    (``variant``, 0 = reference); without it the answer is the reference."""
     for _ in range(1000):
         fam = r.choice(FAMILIES)
         consts = fam.consts(r)
@@ -330,10 +380,16 @@ def _make_one(r: Rng) -> dict:
         args = _arg_names(r, fam.kind)
         names = {"x": args[0], "a": args[0], "b": args[-1]}
         desc = fam.desc.format(**names, **consts)
-        body = fam.body.format(**names, **consts)
+        body = fam.body.format(**names, **consts, v=REFERENCE_LOOP_VAR)
         sig = f"{fname}({', '.join(args)})"
         prompt = r.choice(_PHRASES).format(sig=sig, desc=desc)
-        answer = f"def {sig}:\n    {body}"
+        reference = f"def {sig}:\n    {body}"
+        answer, variant = reference, 0
+        if vr is not None:
+            bodies = (fam.body,) + ALTERNATIVES.get(fam.key, ())
+            variant = vr.randint(0, len(bodies) - 1)
+            loop_var = vr.choice([v for v in _LOOP_VARS if v not in args])
+            answer = f"def {sig}:\n    " + bodies[variant].format(**names, **consts, v=loop_var)
 
         cases = None
         for _try in range(200):
@@ -351,19 +407,25 @@ def _make_one(r: Rng) -> dict:
         if cases is None:
             continue
         tests = [f"assert {fname}({', '.join(repr(a) for a in i)}) == {o!r}" for i, o in cases]
-        if (len(prompt) <= MAX_PROMPT_CHARS and len(answer) <= MAX_ANSWER_CHARS
-                and prompt.isascii() and answer.isascii()
+        if (len(prompt) <= MAX_PROMPT_CHARS and len(reference) <= MAX_ANSWER_CHARS
+                and prompt.isascii() and reference.isascii()
                 and all(t.isascii() for t in tests)):
-            return {"prompt": prompt, "answer": answer,
-                    "target": {"entry_point": fname, "tests": tests},
-                    "family": fam.key}
+            if len(answer) > MAX_ANSWER_CHARS:
+                answer, variant = reference, 0
+            rec = {"prompt": prompt, "answer": answer,
+                   "target": {"entry_point": fname, "tests": tests},
+                   "family": fam.key}
+            if vr is not None:
+                rec.update(reference=reference, variant=variant)
+            return rec
     raise RuntimeError("code generator failed to produce a valid problem")  # pragma: no cover
 
 
-def _stream(seed: int, stream: str):
+def _stream(seed: int, stream: str, variants: bool = False):
     r = Rng(seed, f"code/{stream}")
+    vr = Rng(seed, f"code/{stream}/variants") if variants else None
     while True:
-        yield _make_one(r)
+        yield _make_one(r, vr)
 
 
 def _code_key(answer: str) -> str:
@@ -394,17 +456,24 @@ def heldout_keys(path: str | Path | None = None) -> tuple[set[str], set[str]]:
             {_code_key(p["answer"]) for p in probs})
 
 
-def generate_train(n: int, seed: int, exclude_path: str | Path | None = None) -> list[dict]:
+def generate_train(n: int, seed: int, exclude_path: str | Path | None = None,
+                   variants: bool = True) -> list[dict]:
     """``n`` training problems disjoint from the held-out file: a problem is
     skipped if its normalised prompt *or* its reference function (same name,
     arguments and body, whatever the phrasing) occurs there.  Duplicates
-    within the training set are allowed."""
+    within the training set are allowed.
+
+    With ``variants`` (the default) each answer is one of the family's
+    equivalent bodies with a random loop variable (``ALTERNATIVES``); the
+    record's ``reference`` holds the reference answer.  ``variants=False``
+    gives reference answers only (the few-shot examples use it)."""
     bad_p, bad_a = heldout_keys(exclude_path)
     out = []
-    for rec in _stream(seed, "train"):
+    for rec in _stream(seed, "train", variants):
         if len(out) >= n:
             break
-        if normalize_prompt(rec["prompt"]) in bad_p or _code_key(rec["answer"]) in bad_a:
+        if (normalize_prompt(rec["prompt"]) in bad_p or _code_key(rec["answer"]) in bad_a
+                or _code_key(rec.get("reference", rec["answer"])) in bad_a):
             continue
         out.append({"id": f"code-train-{seed}-{len(out):07d}", **rec})
     return out
@@ -418,7 +487,7 @@ def load(path: str | Path | None = None, limit: int | None = None) -> list[dict]
 
 def few_shot(k: int = 3, path: str | Path | None = None) -> list[dict]:
     """``k`` fixed examples, disjoint from the held-out file."""
-    return generate_train(k, FEW_SHOT_SEED, exclude_path=path) if k > 0 else []
+    return generate_train(k, FEW_SHOT_SEED, exclude_path=path, variants=False) if k > 0 else []
 
 
 # --------------------------------------------------------------------------
