@@ -200,6 +200,22 @@ def test_resume_with_restart_schedule_and_math_frac(tmp_path, capsys):
         assert str(ei.value).startswith("error:")
 
 
+def test_plain_resume_keeps_the_saved_peak_lr(tmp_path):
+    """--resume without --lr continues the saved schedule at its own peak (not the fresh-run default)."""
+    import csv
+
+    out, sd = tmp_path / "m", tmp_path / "state"
+    common = ["--out", str(out), "--state-dir", str(sd), "--vocab", "400", "--hidden", "32", "--layers", "1",
+              "--heads", "2", "--intermediate", "64", "--batch", "4", "--log-every", "1", "--ckpt-every", "100",
+              "--answer-len", "64", "--threads", "1"]
+    T.main(common + ["--steps", "3", "--lr", "3e-3", "--warmup", "2"])
+    T.main(common + ["--resume", "--steps", "6"])
+    rows = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(open(sd / "log.csv"))}
+    for step in range(4, 7):
+        assert rows[step] == pytest.approx(T.lr_at(step - 1, 6, 3e-3, 2), rel=1e-3)
+    assert json.loads((sd / "summary.json").read_text())["args"]["lr"] == 3e-3
+
+
 @pytest.mark.parametrize("frac,drill,expected", [(0.5, 0.0, (32, 0, 32)), (0.65, 0.0, (42, 0, 22)),
                                                  (1.0, 0.0, (64, 0, 0)), (0.0, 0.0, (0, 0, 64)),
                                                  (0.5, 0.35, (32, 22, 10)), (0.0, 1.0, (0, 64, 0))])
