@@ -33,6 +33,7 @@ if want 1; then
         eval_run --task "$task" --methods "${METHODS[@]}" \
             --out "bench/results/eval_${task}.jsonl" --plot "docs/figures/${task}" | tee "bench/results/eval_${task}.txt"
     done
+    python -m bench.code_breakdown bench/results/eval_code.jsonl | tee bench/results/code_breakdown.txt
 fi
 
 # 2. PSD depth sweep (math, all 300 problems)
@@ -66,6 +67,7 @@ if want 5; then
         eval_run --task "$task" --methods greedy topk:steps=8 topk:steps=4 topk:steps=2 confidence:tau=0.3 \
             confidence:tau=0.1 --out "bench/results/eval_${task}_aggressive.jsonl" | tee "bench/results/eval_${task}_aggressive.txt"
     done
+    python -m bench.code_breakdown bench/results/eval_code_aggressive.jsonl | tee bench/results/code_breakdown_aggressive.txt
 fi
 
 # 6. arithmetic with operands given: result digits masked, one call (teacher-forced, no decoding)
