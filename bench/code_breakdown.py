@@ -15,7 +15,7 @@ import json
 import sys
 
 from .tasks import code as code_suite
-from .tasks.common import read_jsonl
+from .tasks.common import read_results
 
 
 def summarize(records, problems) -> list[dict]:
@@ -47,9 +47,7 @@ def main(argv=None) -> int:
                    help="the code problems the run used (default: the held-out file bench/data/code_test.jsonl)")
     args = p.parse_args(argv)
     try:
-        records = read_jsonl(args.results)
-        if not records or any(not {"id", "method", "correct"} <= set(r) for r in records):
-            raise ValueError("not a bench.eval results file (needs id, method, correct)")
+        records = read_results(args.results, ("id", "method", "correct"))
         problems = code_suite.load(args.problems)
         if any("family" not in q for q in problems):
             raise ValueError(f"{args.problems or code_suite.TEST_FILE}: problems have no family (not a code-suite file)")

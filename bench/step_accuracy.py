@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from .tasks.common import read_jsonl
+from .tasks.common import read_results
 from .tasks.math import equation_check
 
 
@@ -40,9 +40,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     path = args.results
     try:
-        records = read_jsonl(path)
-        if not records or any(not {"method", "completion", "correct"} <= set(r) for r in records):
-            raise ValueError("not a bench.eval results file (needs method, completion, correct)")
+        records = read_results(path, ("method", "completion", "correct"))
     except (OSError, ValueError) as e:
         print(f"error: {path}: {e}", file=sys.stderr)
         return 2

@@ -43,6 +43,7 @@ from .transformer import Transformer, attention_mask, position_ids
 
 EOS, MASK = "<|eos|>", "<|mask|>"
 SUITES = ("math", "code")
+FRESH_SCHEDULE = {"lr": 1e-3, "warmup": 100}   # peak lr and warm-up of a run that is not resumed
 
 
 # ---------------------------------------------------------------------- data
@@ -273,9 +274,9 @@ def build_parser():
     p.add_argument("--answer-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default 1e-3; with --resume, the saved run's)")
+                   help=f"peak learning rate (default {FRESH_SCHEDULE['lr']:g}; with --resume, the saved run's)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="warm-up steps (default 100; with --resume, the saved run's)")
+                   help=f"warm-up steps (default {FRESH_SCHEDULE['warmup']}; with --resume, the saved run's)")
     p.add_argument("--wd", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--eps", type=float, default=1e-3)
@@ -308,9 +309,6 @@ def main(argv=None) -> None:
     if args.restart_schedule and not args.resume:
         raise SystemExit("error: --restart-schedule needs --resume")
     state = None
-    if not args.resume:
-        args.lr = 1e-3 if args.lr is None else args.lr
-        args.warmup = 100 if args.warmup is None else args.warmup
     if args.resume:
         if not state_path.is_file():
             raise SystemExit(f"error: --resume but {state_path} does not exist")
@@ -318,13 +316,14 @@ def main(argv=None) -> None:
         saved = state["args"]
         for k in ("seed", "vocab", "hidden", "layers", "heads", "intermediate", "max_length", "answer_len", "batch"):
             setattr(args, k, saved[k])        # the run's identity comes from the state
-        for k in ("lr", "warmup"):            # the schedule too, unless given again
-            if getattr(args, k) is None:
-                setattr(args, k, saved[k])
         tok = Tokenizer.from_file(str(tok_path))
     else:
+        saved = FRESH_SCHEDULE
         tok = build_tokenizer(corpus(20000, seed=10_000 + args.seed), args.vocab)
         tok.save(str(tok_path))
+    for k in ("lr", "warmup"):                # the saved run's schedule (or the fresh defaults) unless given
+        if getattr(args, k) is None:
+            setattr(args, k, saved[k])
     eos = tok.token_to_id(EOS)
     config = make_config(tok, args)
     model = init_model(config, args.seed).to(dev)

@@ -380,16 +380,18 @@ def _make_one(r: Rng, vr: Rng | None = None) -> dict:
         args = _arg_names(r, fam.kind)
         names = {"x": args[0], "a": args[0], "b": args[-1]}
         desc = fam.desc.format(**names, **consts)
-        body = fam.body.format(**names, **consts, v=REFERENCE_LOOP_VAR)
         sig = f"{fname}({', '.join(args)})"
         prompt = r.choice(_PHRASES).format(sig=sig, desc=desc)
-        reference = f"def {sig}:\n    {body}"
+
+        def function(body: str, loop_var: str) -> str:
+            return f"def {sig}:\n    " + body.format(**names, **consts, v=loop_var)
+
+        reference = function(fam.body, REFERENCE_LOOP_VAR)
         answer, variant = reference, 0
         if vr is not None:
             bodies = (fam.body,) + ALTERNATIVES.get(fam.key, ())
             variant = vr.randint(0, len(bodies) - 1)
-            loop_var = vr.choice([v for v in _LOOP_VARS if v not in args])
-            answer = f"def {sig}:\n    " + bodies[variant].format(**names, **consts, v=loop_var)
+            answer = function(bodies[variant], vr.choice([v for v in _LOOP_VARS if v not in args]))
 
         cases = None
         for _try in range(200):
@@ -472,8 +474,8 @@ def generate_train(n: int, seed: int, exclude_path: str | Path | None = None,
     for rec in _stream(seed, "train", variants):
         if len(out) >= n:
             break
-        if (normalize_prompt(rec["prompt"]) in bad_p or _code_key(rec["answer"]) in bad_a
-                or _code_key(rec.get("reference", rec["answer"])) in bad_a):
+        functions = {rec["answer"], rec.get("reference", rec["answer"])}
+        if normalize_prompt(rec["prompt"]) in bad_p or any(_code_key(f) in bad_a for f in functions):
             continue
         out.append({"id": f"code-train-{seed}-{len(out):07d}", **rec})
     return out

@@ -80,6 +80,15 @@ def read_jsonl(path) -> list[dict]:
     return out
 
 
+def read_results(path, fields: Sequence[str]) -> list[dict]:
+    """The per-problem records of a ``bench.eval`` JSONL; ValueError unless every
+    record has ``fields`` (in that order in the message)."""
+    records = read_jsonl(path)
+    if not records or any(not set(fields) <= set(r) for r in records):
+        raise ValueError(f"not a bench.eval results file (needs {', '.join(fields)})")
+    return records
+
+
 def dumps_jsonl(records: Iterable[dict]) -> str:
     """Canonical JSONL text: sorted keys, ASCII, '\\n' line ends."""
     return "".join(json.dumps(r, sort_keys=True, ensure_ascii=True) + "\n" for r in records)
