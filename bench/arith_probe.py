@@ -20,10 +20,10 @@ import torch
 
 
 def build_batch(tok, drills, fmt, mask_id: int, pad_id: int, answer_len: int):
-    """The drills on `models.train.collate`'s canvas with their result digits masked:
+    """The drills on `bench.train.collate`'s canvas with their result digits masked:
     (ids [B, N], targets [B, N], valid [B, N], P, [(row, canvas index, op, equation #)])."""
     from bench.tasks.math import _EQUATION
-    from models.train import collate
+    from bench.train import collate
 
     examples, where = [], []
     for b, d in enumerate(drills):
@@ -44,7 +44,7 @@ def build_batch(tok, drills, fmt, mask_id: int, pad_id: int, answer_len: int):
 
 def probe(model, tok, n: int = 64, seed: int = 424242, answer_len: int = 64) -> dict:
     from bench.tasks import math as M
-    from models.train import canvas_logits
+    from bench.train import canvas_logits
 
     cfg = model.config
     x, target, valid, P, where = build_batch(tok, M.generate_drill(n, seed), M.format_prompt,

@@ -44,8 +44,8 @@ class _Fake:
 
 
 def test_probe_accounting_oracle_and_blind(tok, monkeypatch):
-    monkeypatch.setattr("models.train.attention_mask", lambda *a, **k: None)
-    monkeypatch.setattr("models.train.position_ids", lambda *a, **k: None)
+    monkeypatch.setattr("bench.train.attention_mask", lambda *a, **k: None)
+    monkeypatch.setattr("bench.train.position_ids", lambda *a, **k: None)
     _, target, _, _, _ = AP.build_batch(tok, M.generate_drill(16, 3), M.format_prompt, 1, 0, 64)
     oracle = AP.probe(_Fake(lambda x: target, 1024), tok, n=16, seed=3)
     assert oracle and set(oracle) <= {"+", "-", "*", "/"}

@@ -1,4 +1,4 @@
-"""models/train.py: tokenizer, masked-diffusion SFT loss, optimisation, export; the shipped default model."""
+"""bench/train.py: tokenizer, masked-diffusion SFT loss, optimisation, export; the shipped default model."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from bench.tasks import get_task
 from models import ModelConfig, Tokenizer, load_model
-from models import train as T
+from bench import train as T
 from models.transformer import attention_mask, position_ids
 
 DEFAULT = Path(__file__).resolve().parent.parent / "models" / "default"

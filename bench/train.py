@@ -1,6 +1,6 @@
 """Train the default checkpoint: a small LLaDA-layout masked-diffusion LM on the procedural suites.
 
-    python -m models.train --out models/default --minutes 100 [--resume]
+    python -m bench.train --out models/default --minutes 100 [--resume]
 
 One seeded, reproducible script (issue #5):
 
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import save_checkpoint
-from .config import ModelConfig
-from .transformer import Transformer, attention_mask, position_ids
+from models.checkpoint import save_checkpoint
+from models.config import ModelConfig
+from models.transformer import Transformer, attention_mask, position_ids
 
 EOS, MASK = "<|eos|>", "<|mask|>"
 SUITES = ("math", "code")
@@ -252,7 +252,7 @@ def write_sample_prompt(out: Path) -> None:
 
 # ---------------------------------------------------------------------- main
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="models/default", help="export directory (shipped weights + tokenizer)")
     p.add_argument("--state-dir", help="resumable training state + logs (default /work/train_runs/<out name>)")
     p.add_argument("--minutes", type=float, default=100.0, help="wall-clock budget of this invocation")

@@ -1,0 +1,79 @@
+"""The product is psd_kernels <- models <- engine; bench/ (tooling, training, evaluation) sits on
+top. No module of the product may import its tooling, at any depth: a static scan of every
+import statement (function-level ones included) and a runtime check of what importing the whole
+product pulls in."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# package -> packages of this repo it may import (besides itself)
+ALLOWED = {"psd_kernels": set(), "models": {"psd_kernels"}, "engine": {"psd_kernels", "models"}}
+OWN = {"psd_kernels", "models", "engine", "bench", "tests"}
+OPTIONAL = {"lm_eval", "fastapi", "uvicorn", "openai"}   # optional extras: only bench/ and engine.serve use them
+
+
+def _imports(path: Path, root: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    pkg = path.relative_to(root).parts[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:     # relative: stays inside its own package unless it climbs above it
+                depth = len(path.relative_to(root / pkg).parts) - 1
+                out.append((node.lineno, pkg if node.level <= depth + 1 else "<above " + pkg + ">"))
+            else:
+                out.append((node.lineno, node.module or ""))
+    return out
+
+
+def violations(root: Path = REPO) -> list[str]:
+    bad = []
+    for pkg, allowed in ALLOWED.items():
+        for f in sorted((root / pkg).rglob("*.py")):
+            rel = f.relative_to(root)
+            if rel.as_posix() == "engine/serve.py":    # the server is an optional entry point over the engine
+                continue
+            for line, mod in _imports(f, root):
+                top = mod.split(".")[0]
+                if top.startswith("<above"):
+                    bad.append(f"{rel}:{line} relative import climbs out of {pkg}")
+                elif (top in OWN and top != pkg and top not in allowed) or top in OPTIONAL:
+                    bad.append(f"{rel}:{line} imports {mod}")
+    return bad
+
+
+def test_product_never_imports_its_tooling():
+    assert violations() == []
+
+
+def test_the_scan_finds_a_planted_import(tmp_path):
+    for pkg in ALLOWED:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "models" / "x.py").write_text("def f():\n    from bench.tasks import get_task\n")
+    (tmp_path / "engine" / "y.py").write_text("import bench.train as t\n")
+    (tmp_path / "psd_kernels" / "z.py").write_text("from models import load_model\n")
+    bad = violations(tmp_path)
+    assert len(bad) == 3, bad
+
+
+def test_importing_the_product_loads_no_tooling():
+    code = ("import pkgutil, importlib, sys\n"
+            "import psd_kernels, models, engine\n"
+            "for pkg in (psd_kernels, models, engine):\n"
+            "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+            "        if m.name in ('engine.serve', 'psd_kernels.ops._compile_check') or m.name.startswith('engine.__main__'):\n"
+            "            continue\n"
+            "        importlib.import_module(m.name)\n"
+            "print(sorted({n.split('.')[0] for n in sys.modules} & {'bench', 'lm_eval', 'fastapi', 'openai'}))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]"
