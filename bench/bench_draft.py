@@ -1,4 +1,4 @@
-"""Microbenchmark: draft assembly, ranking and commit on the block, torch reference vs Triton.
+"""Microbenchmark: draft assembly and the two rankings of the block, torch reference vs Triton.
 
     python -m bench.bench_draft                     # small CPU defaults, seconds
     python -m bench.bench_draft --rows 1 64 512 --nodes 8 32 --block 32
@@ -22,7 +22,7 @@ from psd_kernels import reference
 from ._common import (bench_threads, copy_bandwidth_gbps, default_device, print_table, sync, time_ms,
                       triton_usable, write_csv)
 
-OPS = ("assemble_drafts", "rank_positions", "commit")
+OPS = ("assemble_drafts", "rank_positions", "position_ranks")
 
 
 def providers(device: torch.device) -> dict[str, object]:
@@ -49,10 +49,8 @@ def make_case(B: int, L: int, K: int, depth: int, device: torch.device):
 
 
 def useful_bytes(op: str, B: int, L: int, K: int, depth: int) -> int:
-    if op == "rank_positions":
+    if op in ("rank_positions", "position_ranks"):
         return B * L * (4 + 1) + B * L * 8 + B * 8
-    if op == "commit":
-        return B * L * (8 + 1 + 8 + 4) + B * L * (8 + 1)
     return B * L * (8 + 1 + 8 + 4) + K * depth * 8 + B * K * L * 8 + B * K
 
 
@@ -60,8 +58,8 @@ def call(module, op: str, case):
     block, masked, pred, conf, ranks = case
     if op == "rank_positions":
         return module.rank_positions(conf, masked)
-    if op == "commit":
-        return module.commit(block, masked, pred, conf, 1, 0.9)
+    if op == "position_ranks":
+        return module.position_ranks(conf, masked)
     return module.assemble_drafts(block, masked, pred, conf, ranks)
 
 
@@ -85,7 +83,7 @@ def run(rows_list, nodes_list, L: int, depth: int, ops, device: torch.device) ->
 def main(argv=None) -> None:
     device = default_device()
     gpu = device.type == "cuda"
-    ap = argparse.ArgumentParser(description="draft assembly / ranking / commit: torch vs triton")
+    ap = argparse.ArgumentParser(description="draft assembly / rank_positions / position_ranks: torch vs triton")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 512] if gpu else [1, 64])
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--block", type=int, default=32)

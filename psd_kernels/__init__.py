@@ -8,15 +8,14 @@ kernel accumulates in float32; float64 is the parity switch of the engine).
 
     top1(logits, exclude_id=None, out=None, *, score="prob", temperature=0.0, noise=None)
     rank_positions(conf, masked, out=None)
+    position_ranks(conf, masked, out=None)
     assemble_drafts(block, masked, pred, conf, node_ranks, out=None)
-    commit(block, masked, pred, conf, k=1, threshold=inf, out=None)
     shared_prefix_attention(q, k_shared, v_shared, k_own, v_own, scale=None, shared_mask=None, out=None)
     merge_attention(out_a, lse_a, out_b, lse_b)          (plain torch, both backends)
 """
 from __future__ import annotations
 
 import importlib
-import math
 import os
 
 import torch
@@ -28,8 +27,8 @@ __all__ = [
     "BACKEND",
     "top1",
     "rank_positions",
+    "position_ranks",
     "assemble_drafts",
-    "commit",
     "shared_prefix_attention",
     "merge_attention",
 ]
@@ -39,8 +38,8 @@ _BACKENDS = ("triton", "reference")
 _TRITON_MODULE = {
     "top1": "top1",
     "rank_positions": "draft",
+    "position_ranks": "draft",
     "assemble_drafts": "draft",
-    "commit": "draft",
     "shared_prefix_attention": "sparse_attn",
 }
 
@@ -78,12 +77,12 @@ def rank_positions(conf, masked, out=None, *, backend=None):
     return _impl("rank_positions", backend)(conf, masked, out)
 
 
+def position_ranks(conf, masked, out=None, *, backend=None):
+    return _impl("position_ranks", backend)(conf, masked, out)
+
+
 def assemble_drafts(block, masked, pred, conf, node_ranks, out=None, *, backend=None):
     return _impl("assemble_drafts", backend)(block, masked, pred, conf, node_ranks, out)
-
-
-def commit(block, masked, pred, conf, k=1, threshold=math.inf, out=None, *, backend=None):
-    return _impl("commit", backend)(block, masked, pred, conf, k, threshold, out)
 
 
 def shared_prefix_attention(
@@ -93,6 +92,6 @@ def shared_prefix_attention(
                                                      own_mask=own_mask)
 
 
-for _f in (top1, rank_positions, assemble_drafts, commit, shared_prefix_attention):
+for _f in (top1, rank_positions, position_ranks, assemble_drafts, shared_prefix_attention):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__ + "\n    ``backend=``: 'triton' or 'reference' for this call (default: ``BACKEND``).\n"
 del _f

@@ -15,8 +15,8 @@ import torch
 __all__ = [
     "top1",
     "rank_positions",
+    "position_ranks",
     "assemble_drafts",
-    "commit",
     "shared_prefix_attention",
     "merge_attention",
 ]
@@ -97,7 +97,7 @@ def top1(
 
 
 # --------------------------------------------------------------------------------------------
-# draft assembly: rank masked positions, write predictions, commit
+# draft assembly: rank masked positions, write predictions
 # --------------------------------------------------------------------------------------------
 def _check_2d(name: str, t, dtype: torch.dtype, shape: tuple[int, int] | None) -> None:
     if not isinstance(t, torch.Tensor):
@@ -173,6 +173,30 @@ def rank_positions(
     return order, n_masked
 
 
+def position_ranks(
+    conf: torch.Tensor,
+    masked: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank of every masked position in its row's ordering σ (the inverse of ``rank_positions``).
+
+    conf float32 [B, L], masked bool [B, L].
+    Returns ``ranks`` int64 [B, L] and ``n_masked`` int64 [B]: ``ranks[b, i]`` for a masked
+    position i is its rank in σ (confidence descending, lower position first on ties), so
+    ``order[b, ranks[b, i]] == i`` for the ``order`` of ``rank_positions``, and the masked ranks
+    of a row are a permutation of ``0..n_masked[b]-1``; ``ranks[b, i] = -1`` at unmasked
+    positions. ``out=(ranks, n_masked)`` receives the results. NaN confidences at masked
+    positions give unspecified ranks.
+    """
+    check_rank_args(conf, masked)
+    _, ranks, n_masked = _position_ranks(conf, masked)
+    if out is not None:
+        out[0].copy_(ranks)
+        out[1].copy_(n_masked)
+        return out
+    return ranks, n_masked
+
+
 def assemble_drafts(
     block: torch.Tensor,
     masked: torch.Tensor,
@@ -205,54 +229,6 @@ def assemble_drafts(
         out[1].copy_(valid)
         return out
     return drafts, valid
-
-
-def check_commit_args(block, masked, pred, conf, k) -> None:
-    _check_2d("block", block, torch.int64, None)
-    B, L = block.shape
-    _check_2d("masked", masked, torch.bool, (B, L))
-    _check_2d("pred", pred, torch.int64, (B, L))
-    _check_2d("conf", conf, torch.float32, (B, L))
-    if isinstance(k, torch.Tensor):
-        if k.dtype != torch.int64 or tuple(k.shape) != (B,):
-            raise ValueError(f"k must be an int or an int64 tensor of shape ({B},)")
-        if k.device != block.device:
-            raise ValueError("k must be on the device of block")
-    elif not isinstance(k, int):
-        raise ValueError(f"k must be an int or an int64 tensor, got {type(k).__name__}")
-    if len({t.device for t in (block, masked, pred, conf)}) != 1:
-        raise ValueError("block, masked, pred and conf must be on one device")
-
-
-def commit(
-    block: torch.Tensor,
-    masked: torch.Tensor,
-    pred: torch.Tensor,
-    conf: torch.Tensor,
-    k: int | torch.Tensor = 1,
-    threshold: float = math.inf,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-or-threshold commit of predictions into each row's block (the stage-1 write).
-
-    Commits the masked positions of row b whose rank (as in ``rank_positions``) is < ``k``
-    (an int, or an int64 tensor [B] per row) or whose confidence is >= ``threshold``:
-    ``greedy`` is k=1; LLaDA's ``topk`` is k=k_t; Fast-dLLM's ``confidence`` is k=1,
-    threshold=τ (the most confident always passes, so "at least one" holds).
-    Returns ``new_block`` int64 [B, L] (``pred`` at committed positions, ``block`` elsewhere)
-    and ``committed`` bool [B, L]. ``out=(new_block, committed)`` receives the results;
-    ``out[0]`` may be ``block`` itself (in-place commit).
-    """
-    check_commit_args(block, masked, pred, conf, k)
-    _, ranks, _ = _position_ranks(conf, masked)
-    kk = k[:, None] if isinstance(k, torch.Tensor) else k
-    committed = masked & ((ranks < kk) | (conf >= threshold))
-    new_block = torch.where(committed, pred, block)
-    if out is not None:
-        out[0].copy_(new_block)
-        out[1].copy_(committed)
-        return out
-    return new_block, committed
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,8 +1,7 @@
-"""psd_kernels draft family: rank_positions, assemble_drafts, commit (Triton vs reference and semantics)."""
+"""psd_kernels draft family: rank_positions, position_ranks, assemble_drafts (Triton vs reference and semantics)."""
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import pytest
 import torch
@@ -179,71 +178,131 @@ def test_assemble_drafts_without_rank_columns(backend, device):
 
 
 # ------------------------------------------------------------------------------------------
-# commit
+# position_ranks
 # ------------------------------------------------------------------------------------------
 @needs_triton
-@pytest.mark.parametrize("L", [1, 7, 32, 100])
-@pytest.mark.parametrize("k", [0, 1, 3, "per_row"])
-@pytest.mark.parametrize("threshold", [math.inf, 0.5, -math.inf])
-def test_commit_matches_reference(L, k, threshold, device):
-    gen = torch.Generator().manual_seed(L * 7 + (k if isinstance(k, int) else 99))
-    B = 4
-    block, masked, pred, conf = make_row_state(B, L, gen, device, tie_levels=5)
-    kk = torch.randint(0, L + 1, (B,), generator=gen).to(device) if k == "per_row" else k
-    want = reference.commit(block.cpu(), masked.cpu(), pred.cpu(), conf.cpu(), kk.cpu() if torch.is_tensor(kk) else kk,
-                            threshold)
-    new = torch.full((B, L), -7, dtype=torch.int64, device=device)
-    committed = ~want[1].to(device)
-    got = psd_kernels.commit(block, masked, pred, conf, kk, threshold, (new, committed), backend="triton")
-    assert got[0] is new
-    assert torch.equal(new.cpu(), want[0])
-    assert torch.equal(committed.cpu(), want[1])
+@pytest.mark.parametrize("B", [1, 4])
+@pytest.mark.parametrize("L", [3, 47, 1023])
+@pytest.mark.parametrize("tie_levels", [None, 3])
+@pytest.mark.parametrize("density", [0.0, 0.5, 1.0])
+def test_position_ranks_matches_reference(B, L, tie_levels, density, device):
+    """Odd sizes: 47 leaves a partial row tile, 1023 a chunked rank loop (BLOCK_J < BLOCK_L)."""
+    gen = torch.Generator().manual_seed(B * 10000 + L + (tie_levels or 0) + int(density * 10))
+    _, masked, _, conf = make_row_state(B, L, gen, device, density, tie_levels)
+    ranks = torch.full((B, L), -7, dtype=torch.int64, device=device)  # poison: every slot must be written
+    n = torch.full((B,), -7, dtype=torch.int64, device=device)
+    got = psd_kernels.position_ranks(conf, masked, (ranks, n), backend="triton")
+    assert got[0] is ranks and got[1] is n
+    want = reference.position_ranks(conf.cpu(), masked.cpu())
+    assert torch.equal(ranks.cpu(), want[0])
+    assert torch.equal(n.cpu(), want[1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_commit_in_place(backend, device):
-    gen = torch.Generator().manual_seed(8)
-    block, masked, pred, conf = make_row_state(3, 16, gen, device)
-    want = reference.commit(block.cpu(), masked.cpu(), pred.cpu(), conf.cpu(), 2, 0.7)
-    committed = torch.empty(3, 16, dtype=torch.bool, device=device)
-    got = psd_kernels.commit(block, masked, pred, conf, 2, 0.7, (block, committed), backend=backend)
-    assert got[0] is block
-    assert torch.equal(block.cpu(), want[0]) and torch.equal(committed.cpu(), want[1])
+@pytest.mark.parametrize("L", [1, 3, 47, 1023])
+@pytest.mark.parametrize("tie_levels", [None, 2, 40])
+def test_position_ranks_inverts_rank_positions(backend, L, tie_levels, device):
+    """order[b, ranks[b, i]] == i at masked i, -1 elsewhere, and the masked ranks fill 0..n-1."""
+    gen = torch.Generator().manual_seed(L * 3 + (tie_levels or 0))
+    B = 3
+    _, masked, _, conf = make_row_state(B, L, gen, device, 0.6, tie_levels)
+    masked[1] = False  # a row with nothing left to rank
+    order, n_order = psd_kernels.rank_positions(conf, masked, backend=backend)
+    ranks, n = psd_kernels.position_ranks(conf, masked, backend=backend)
+    assert ranks.dtype == torch.int64 and n.dtype == torch.int64
+    assert torch.equal(n, n_order) and torch.equal(n, masked.sum(-1))
+    assert torch.equal(ranks[~masked], torch.full_like(ranks[~masked], -1))
+    for b in range(B):
+        pos = masked[b].nonzero().flatten()
+        r = ranks[b, pos]
+        assert sorted(r.tolist()) == list(range(int(n[b])))
+        assert torch.equal(order[b, r], pos)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_commit_policy_semantics(backend, device):
-    gen = torch.Generator().manual_seed(10)
-    B, L = 5, 12
-    block, masked, pred, conf = (t.cpu() for t in make_row_state(B, L, gen, "cpu", tie_levels=6))
-    masked[0] = False
-    masked[1] = True
-    args = [t.to(device) for t in (block, masked, pred, conf)]
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_position_ranks_naive(backend, data):
+    device = DEVICE
+    B = data.draw(st.integers(1, 3))
+    L = data.draw(st.integers(1, 12))
+    levels = data.draw(st.sampled_from([2, 3, 1000]))
+    conf = torch.tensor(data.draw(st.lists(st.integers(0, levels - 1), min_size=B * L, max_size=B * L)),
+                        dtype=torch.float32).view(B, L) / levels
+    masked = torch.tensor(data.draw(st.lists(st.booleans(), min_size=B * L, max_size=B * L))).view(B, L)
+    ranks, n = psd_kernels.position_ranks(conf.to(device), masked.to(device), backend=backend)
+    for b in range(B):
+        sigma = naive_order(conf[b].tolist(), masked[b].tolist())
+        assert n[b].item() == len(sigma)
+        assert ranks[b].tolist() == [sigma.index(i) if masked[b, i] else -1 for i in range(L)]
 
-    def run(k, threshold):
-        new, committed = psd_kernels.commit(*args, k, threshold, backend=backend)
-        return new.cpu(), committed.cpu()
 
-    # greedy: exactly the single most confident masked position (lowest index on ties)
-    new, committed = run(1, math.inf)
-    for b in range(B):
-        sigma = naive_order(conf[b].tolist(), masked[b].tolist())
-        assert committed[b].nonzero().flatten().tolist() == sigma[:1]
-        assert torch.equal(new[b], torch.where(committed[b], pred[b], block[b]))
-    # confidence(τ): all masked with c >= τ, or the most confident one if none passes
-    tau = 0.6
-    new, committed = run(1, tau)
-    for b in range(B):
-        sigma = naive_order(conf[b].tolist(), masked[b].tolist())
-        above = [i for i in sigma if conf[b, i] >= tau]
-        assert sorted(committed[b].nonzero().flatten().tolist()) == sorted(above or sigma[:1])
-    # topk with a per-row k
-    k = torch.tensor([3, 0, 2, 20, 1])
-    _, committed = run(k.to(device), math.inf)
-    for b in range(B):
-        sigma = naive_order(conf[b].tolist(), masked[b].tolist())
-        assert sorted(committed[b].nonzero().flatten().tolist()) == sorted(sigma[: k[b]])
-    assert not (committed & ~masked).any()  # never an unmasked position
+def test_position_ranks_tie_rule_example():
+    conf = torch.tensor([[0.5, 0.9, 0.5, 0.9, 0.1, 0.99]])
+    masked = torch.tensor([[True, True, True, True, True, False]])  # 0.99 is not masked: never ranked
+    for backend in BACKENDS:
+        ranks, n = psd_kernels.position_ranks(conf, masked, backend=backend)
+        assert ranks.tolist() == [[2, 0, 3, 1, 4, -1]] and n.tolist() == [5]
+
+
+@needs_triton
+def test_position_ranks_strided_inputs_and_outputs(device):
+    """Strided views in and out: the kernel uses every stride, never assumes contiguity."""
+    gen = torch.Generator().manual_seed(23)
+    B, L = 3, 300
+    _, masked, _, conf = make_row_state(B, 2 * L, gen, device, 0.5, tie_levels=20)
+    conf, masked = conf[:, 1::2], masked[:, ::2]
+    ranks_t = torch.full((L, B), -7, dtype=torch.int64, device=device)  # ranks written through a transpose
+    n_wide = torch.full((B, 2), -7, dtype=torch.int64, device=device)
+    got = psd_kernels.position_ranks(conf, masked, (ranks_t.t(), n_wide[:, 1]), backend="triton")
+    want = reference.position_ranks(conf.cpu(), masked.cpu())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(ranks_t.t().cpu(), want[0])
+    assert torch.equal(n_wide[:, 1].cpu(), want[1])
+    assert bool((n_wide[:, 0] == -7).all())  # nothing outside the view is touched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B, L", [(0, 5), (3, 0), (0, 0)])
+def test_position_ranks_empty(backend, B, L, device):
+    conf = torch.rand(B, L, device=device)
+    masked = torch.ones(B, L, dtype=torch.bool, device=device)
+    ranks, n = psd_kernels.position_ranks(conf, masked, backend=backend)
+    assert ranks.shape == (B, L) and ranks.dtype == torch.int64
+    assert n.tolist() == [0] * B and n.dtype == torch.int64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_position_ranks_bad_inputs_like_rank_positions(backend, device):
+    """Both functions validate through check_rank_args: the same calls fail with the same errors."""
+    _, masked, _, conf = _state(device=device)
+    bad = [
+        ((conf[0], masked[0]), "conf must be 2-D"),
+        ((conf, masked.int()), "masked must be torch.bool"),
+        ((conf.double(), masked), "conf must be torch.float32"),
+        ((conf, masked[:, :3]), "masked has shape"),
+        ((conf.tolist(), masked), "conf must be a tensor"),
+    ]
+    for args, match in bad:
+        for fn in (psd_kernels.rank_positions, psd_kernels.position_ranks):
+            with pytest.raises(ValueError, match=match):
+                fn(*args, backend=backend)
+
+
+@needs_triton
+def test_position_ranks_bad_out_buffers(device):
+    _, masked, _, conf = _state(device=device)
+    n = torch.empty(2, dtype=torch.int64, device=device)
+    bad = [
+        ((torch.empty(2, 4, dtype=torch.int64, device=device), n), "out buffer ranks"),
+        ((torch.empty(2, 5, dtype=torch.int32, device=device), n), "out buffer ranks"),
+        ((torch.empty(2, 5, dtype=torch.int64, device=device), n[:1]), "out buffer n_masked"),
+        ((torch.empty(2, 5, dtype=torch.int64, device=device), n.int()), "out buffer n_masked"),
+        (torch.empty(2, 5, dtype=torch.int64, device=device), "out must be a pair"),
+        ((n,), "out must be a pair"),
+    ]
+    for out, match in bad:
+        with pytest.raises(ValueError, match=match):
+            psd_kernels.position_ranks(conf, masked, out, backend="triton")
 
 
 # ------------------------------------------------------------------------------------------
@@ -272,10 +331,6 @@ def test_bad_inputs(backend, device):
         psd_kernels.assemble_drafts(block, masked, pred, conf, ranks.int(), backend=backend)
     with pytest.raises(ValueError, match="node_ranks must be a 2-D"):
         psd_kernels.assemble_drafts(block, masked, pred, conf, ranks[:, 0], backend=backend)
-    with pytest.raises(ValueError, match="k must be an int or an int64 tensor of shape"):
-        psd_kernels.commit(block, masked, pred, conf, torch.ones(3, dtype=torch.int64, device=device), backend=backend)
-    with pytest.raises(ValueError, match="k must be an int or an int64 tensor"):
-        psd_kernels.commit(block, masked, pred, conf, 1.5, backend=backend)
 
 
 @needs_triton

@@ -58,18 +58,17 @@ def _variants(quick: bool):
 
     for L, K in ((32, 8),) if quick else ((32, 8), (1, 1), (1024, 3)):
         block_l, block_j, block_k, warps = draft.launch_config(L, K)
+        # RANKS is assemble_drafts' node ranks and position_ranks' output: int64 in both
         ptr = {"CONF": "*fp32", "MASKED": "*u8", "ORDER": "*i64", "NMASKED": "*i64", "BLOCK": "*i64", "PRED": "*i64",
-               "RANKS": "*i64", "DRAFTS": "*i64", "VALID": "*u8", "KROW": "*i64", "NEW": "*i64", "COMMITTED": "*u8"}
+               "RANKS": "*i64", "DRAFTS": "*i64", "VALID": "*u8"}
         ce = {"BLOCK_L": block_l, "BLOCK_J": block_j}
         fn = draft._rank_positions_kernel
         yield f"rank_positions L={L}", fn, _signature(fn, ptr, {}, ce), ce, warps
+        fn = draft._position_ranks_kernel
+        yield f"position_ranks L={L}", fn, _signature(fn, ptr, {}, ce), ce, warps
         ce_d = dict(ce, BLOCK_K=block_k)
         fn = draft._assemble_drafts_kernel
         yield f"assemble_drafts L={L} K={K}", fn, _signature(fn, ptr, {}, ce_d), ce_d, warps
-        for per_row in (False, True):
-            ce_c = dict(ce, PER_ROW_K=per_row)
-            fn = draft._commit_kernel
-            yield f"commit L={L} per_row_k={per_row}", fn, _signature(fn, ptr, {"threshold": "fp32"}, ce_c), ce_c, warps
 
     fn = sparse_attn._shared_prefix_attn_kernel
     for dt, head_dim, mask, cfg in itertools.product(("bf16", "fp32"), (64, 128), (False, True), sparse_attn._CONFIGS):

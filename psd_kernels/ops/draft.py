@@ -1,21 +1,21 @@
-"""Rank, draft and commit on the current block (Triton): PSD stages 1 and 2 as index kernels.
+"""Rank and draft on the current block (Triton): PSD's ordering σ and stage 2 as index kernels.
 
 Every kernel ranks the masked positions of one row by confidence (descending, lower position
 first on ties) with an all-pairs count: rank_i = #{masked j : c_j > c_i or (c_j = c_i and j < i)}.
 A block is a few dozen positions, so the O(L²) count is a handful of vector compares held in
 registers, needs no sort, and is exactly the tie rule of the reference's stable sort.
 The torch path sorts twice, gathers, builds a [B, K, L, D] hit tensor and selects; these
-kernels read the B·L inputs once and write only their outputs, in one launch each.
+kernels read the B·L inputs once and write only their outputs, in one launch each:
+``rank_positions`` writes σ (the position of every rank), ``position_ranks`` its inverse (the
+rank of every position), ``assemble_drafts`` the K draft blocks of the draft graph.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ..reference import check_commit_args, check_draft_args, check_rank_args
+from ..reference import check_draft_args, check_rank_args
 from ._common import check_device, check_out, check_out_pair
 
 
@@ -59,6 +59,22 @@ def _rank_positions_kernel(
 
 
 @triton.jit
+def _position_ranks_kernel(
+    CONF, MASKED, RANKS, NMASKED,
+    stride_cb, stride_cl, stride_mb, stride_ml, stride_rb, stride_rl, stride_n,
+    L,
+    BLOCK_L: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs, in_row, c, msk, rank, n = _row_ranks(
+        CONF + b * stride_cb, MASKED + b * stride_mb, stride_cl, stride_ml, L, BLOCK_L, BLOCK_J
+    )
+    # _row_ranks already gives -1 at unmasked positions: one dense store, no scatter
+    tl.store(RANKS + b * stride_rb + offs * stride_rl, rank.to(tl.int64), mask=in_row)
+    tl.store(NMASKED + b * stride_n, n.to(tl.int64))
+
+
+@triton.jit
 def _assemble_drafts_kernel(
     BLOCK, MASKED, PRED, CONF, RANKS, DRAFTS, VALID,
     stride_bb, stride_bl, stride_mb, stride_ml, stride_pb, stride_pl, stride_cb, stride_cl,
@@ -86,30 +102,6 @@ def _assemble_drafts_kernel(
     d_ptrs = DRAFTS + b * stride_db + offs_k[:, None].to(tl.int64) * stride_dk + offs[None, :] * stride_dl
     tl.store(d_ptrs, drafts, mask=in_k[:, None] & in_row[None, :])
     tl.store(VALID + b * stride_vb + offs_k * stride_vk, ok.to(tl.uint8), mask=in_k)
-
-
-@triton.jit
-def _commit_kernel(
-    BLOCK, MASKED, PRED, CONF, KROW, NEW, COMMITTED,
-    stride_bb, stride_bl, stride_mb, stride_ml, stride_pb, stride_pl, stride_cb, stride_cl,
-    stride_k, stride_nb, stride_nl, stride_xb, stride_xl,
-    L, k_all, threshold,
-    PER_ROW_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_J: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    offs, in_row, c, msk, rank, n = _row_ranks(
-        CONF + b * stride_cb, MASKED + b * stride_mb, stride_cl, stride_ml, L, BLOCK_L, BLOCK_J
-    )
-    if PER_ROW_K:
-        k = tl.load(KROW + b * stride_k)
-    else:
-        k = k_all
-    blk = tl.load(BLOCK + b * stride_bb + offs * stride_bl, mask=in_row, other=0)
-    prd = tl.load(PRED + b * stride_pb + offs * stride_pl, mask=in_row, other=0)
-    sel = msk & ((rank < k) | (c >= threshold))
-    # `blk` is loaded before this store, so NEW may alias BLOCK (in-place commit)
-    tl.store(NEW + b * stride_nb + offs * stride_nl, tl.where(sel, prd, blk), mask=in_row)
-    tl.store(COMMITTED + b * stride_xb + offs * stride_xl, sel.to(tl.uint8), mask=in_row)
 
 
 _TILE = 4096  # elements of the largest 2-D tile a program holds
@@ -159,6 +151,36 @@ def rank_positions(
     return order, n_masked
 
 
+def position_ranks(
+    conf: torch.Tensor,
+    masked: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, L = check_rank_args(conf, masked)
+    check_device(conf, masked)
+    if out is None:
+        ranks = torch.empty(B, L, dtype=torch.int64, device=conf.device)
+        n_masked = torch.empty(B, dtype=torch.int64, device=conf.device)
+    else:
+        check_out_pair(out, ("ranks", "n_masked"))
+        ranks = check_out(out[0], "ranks", (B, L), torch.int64, conf.device)
+        n_masked = check_out(out[1], "n_masked", (B,), torch.int64, conf.device)
+    if B == 0:
+        return ranks, n_masked
+    if L == 0:
+        n_masked.zero_()
+        return ranks, n_masked
+    block_l, block_j, _, num_warps = launch_config(L)
+    m = _u8(masked)
+    _position_ranks_kernel[(B,)](
+        conf, m, ranks, n_masked,
+        conf.stride(0), conf.stride(1), m.stride(0), m.stride(1), ranks.stride(0), ranks.stride(1), n_masked.stride(0),
+        L,
+        BLOCK_L=block_l, BLOCK_J=block_j, num_warps=num_warps,
+    )
+    return ranks, n_masked
+
+
 def assemble_drafts(
     block: torch.Tensor,
     masked: torch.Tensor,
@@ -194,43 +216,6 @@ def assemble_drafts(
     return drafts, valid
 
 
-def commit(
-    block: torch.Tensor,
-    masked: torch.Tensor,
-    pred: torch.Tensor,
-    conf: torch.Tensor,
-    k: int | torch.Tensor = 1,
-    threshold: float = math.inf,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    check_commit_args(block, masked, pred, conf, k)
-    per_row = isinstance(k, torch.Tensor)
-    check_device(block, masked, pred, conf, k if per_row else None)
-    B, L = block.shape
-    if out is None:
-        new_block = torch.empty(B, L, dtype=torch.int64, device=block.device)
-        committed = torch.empty(B, L, dtype=torch.bool, device=block.device)
-    else:
-        check_out_pair(out, ("new_block", "committed"))
-        new_block = check_out(out[0], "new_block", (B, L), torch.int64, block.device)
-        committed = check_out(out[1], "committed", (B, L), torch.bool, block.device)
-    if B == 0 or L == 0:
-        return new_block, committed
-    block_l, block_j, _, num_warps = launch_config(L)
-    m, x = _u8(masked), _u8(committed)
-    # k beyond int32 commits everything anyway; clamping keeps the scalar argument 32-bit
-    k_all = 0 if per_row else max(min(int(k), 2**31 - 1), -(2**31))
-    _commit_kernel[(B,)](
-        block, m, pred, conf, k if per_row else block, new_block, x,
-        block.stride(0), block.stride(1), m.stride(0), m.stride(1), pred.stride(0), pred.stride(1),
-        conf.stride(0), conf.stride(1), k.stride(0) if per_row else 0,
-        new_block.stride(0), new_block.stride(1), x.stride(0), x.stride(1),
-        L, k_all, float(threshold),
-        PER_ROW_K=per_row, BLOCK_L=block_l, BLOCK_J=block_j, num_warps=num_warps,
-    )
-    return new_block, committed
-
-
 rank_positions.__doc__ = "Triton twin of ``reference.rank_positions`` (one program per row)."
+position_ranks.__doc__ = "Triton twin of ``reference.position_ranks`` (one program per row)."
 assemble_drafts.__doc__ = "Triton twin of ``reference.assemble_drafts`` (one launch: rows × node tiles)."
-commit.__doc__ = "Triton twin of ``reference.commit`` (one program per row; out[0] may alias block)."
