@@ -1,4 +1,4 @@
-"""How often the approximate KV-cache modes reproduce `--cache none` (ALGORITHMS.md §6).
+"""How often the approximate KV-cache modes reproduce `--cache none` (docs/algorithms.md §6).
 
 On bidirectional models (LLaDA, Dream) `prefix` and `dual` reuse keys/values computed at the
 block start, so they may drift from the exact `none` reference; on context-causal models they are

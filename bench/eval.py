@@ -8,8 +8,8 @@ Every method decodes the same problems with the same model, batch size and cache
 so wall-clock speedups over greedy are ratios measured side by side (greedy is added as the
 baseline if not listed). Per-problem results go to a JSONL file; the summary table gives accuracy,
 TPF (tokens / calls), calls per problem, tokens/s and the speedup; the last line printed is one
-JSON object. Method specs: `name[:key=value,...]` with keys tau (threshold), kappa, w (window),
-steps, d (depth), policy, acceptance, k, graph (a graph file), score.
+JSON object. Method specs: `name[:key=value,...]` with the keys of engine/options.py (a name or a
+short spelling: tau = threshold, d = depth, w = window, policy = policy_name; graph is a file).
 """
 from __future__ import annotations
 
@@ -21,44 +21,29 @@ from pathlib import Path
 
 import torch
 
-from engine import DecodeConfig, Decoder, DraftGraph, InputError
-from engine.cli import DEFAULT_MODEL_DIR, _Parser
+from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
+from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, _Parser, guarded
+from engine.options import resolve, spellings
 from models import CheckpointError, Tokenizer, load_model
 
 from .tasks import TASKS, get_task
+from .tasks.common import truncate_at
 
 FEW_SHOT = {"math": 0, "code": 0, "gsm8k": 5, "humaneval": 0, "mbpp": 3}
-_KEYS = {"tau": "threshold", "threshold": "threshold", "kappa": "kappa", "w": "window", "window": "window",
-         "steps": "steps", "d": "depth", "depth": "depth", "policy": "policy_name", "acceptance": "acceptance",
-         "k": "k", "graph": "graph", "score": "score"}
-_INTS = {"window", "steps", "depth", "k"}
-_FLOATS = {"threshold", "kappa"}
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
-    """`psd:policy=confidence,d=3` -> ("psd", {"policy_name": "confidence", "depth": 3})."""
+    """`psd:policy=confidence,d=3` -> ("psd", {"policy_name": "confidence", "depth": 3}); the keys and
+    their types come from the option table, the method names from the method table."""
     name, _, rest = spec.partition(":")
     opts = {}
     for item in filter(None, rest.split(",")):
         key, eq, val = item.partition("=")
-        if not eq or key.strip() not in _KEYS:
-            raise InputError(f"bad method option {item!r} in {spec!r}; keys: {', '.join(sorted(_KEYS))}")
-        field = _KEYS[key.strip()]
-        try:
-            opts[field] = (int(val) if field in _INTS else float(val) if field in _FLOATS
-                           else DraftGraph.load(val) if field == "graph" else val.strip())
-        except ValueError:
-            raise InputError(f"bad value {val!r} for {key} in {spec!r}") from None
+        if not eq or key.strip() not in spellings():
+            raise InputError(f"bad method option {item!r} in {spec!r}; keys: {', '.join(spellings())}")
+        option = resolve(key.strip())
+        opts[option.name] = option.parse(val)
     return name.strip(), opts
-
-
-def _truncate(text: str, stops) -> str:
-    cut = len(text)
-    for s in stops:
-        i = text.find(s)
-        if i >= 0:
-            cut = min(cut, i)
-    return text[:cut]
 
 
 def _dist():
@@ -98,7 +83,7 @@ def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None
         offset[0] = i
         res = dec.generate(prompts[i:i + args.batch_size])
         for p, r in zip(problems[i:i + args.batch_size], res):
-            text = _truncate(tok.decode(r.token_ids), getattr(task, "STOP_SEQUENCES", ()))
+            text = truncate_at(tok.decode(r.token_ids), getattr(task, "STOP_SEQUENCES", ()))
             records.append({"id": p["id"], "method": cfg.describe(), "spec": name, "completion": text,
                             "tokens": r.tokens, "calls": r.calls, "rows_per_call": r.rows_per_call,
                             "accepted_depth": {str(k): v for k, v in r.accepted_depth.items()},
@@ -148,18 +133,15 @@ def main(argv=None) -> int:
     p.add_argument("--few-shot", type=int, help="examples in the prompt (default: 5 gsm8k, 3 mbpp, 0 otherwise)")
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--cache", default="none", choices=["none", "prefix", "dual"])
+    p.add_argument("--cache", default="none", choices=list(CACHE_MODES))
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--out", help="per-problem JSONL (default: bench/results/eval_<task>.jsonl)")
     p.add_argument("--plot", help="directory for the PNG figures")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     try:
-        return _run(args)
-    except (InputError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return guarded(_run, args, errors=(FileNotFoundError, ValueError))
     finally:
         _shutdown()
 

@@ -18,7 +18,7 @@ One seeded, reproducible script (issue #5):
 * AdamW, linear warm-up + cosine decay (`--restart-schedule` plans a fresh segment on resume),
   gradient clipping, bf16 autocast on CPU (AMX) or CUDA;
 * the resumable state (model, optimiser, step, schedule, RNG states) lives in `--state-dir`
-  (default `/work/train_runs/<name of --out>`), never in the shipped directory; at the end (and
+  (default `~/.cache/psd-engine/train_runs/<name of --out>`), never in the shipped directory; at the end (and
   at every checkpoint) the weights are exported to `--out` with `models.save_checkpoint`.
 
 Loss is logged to stdout and `<state-dir>/log.csv`.
@@ -254,7 +254,7 @@ def write_sample_prompt(out: Path) -> None:
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="models/default", help="export directory (shipped weights + tokenizer)")
-    p.add_argument("--state-dir", help="resumable training state + logs (default /work/train_runs/<out name>)")
+    p.add_argument("--state-dir", help="resumable training state + logs (default ~/.cache/psd-engine/train_runs/<out name>)")
     p.add_argument("--minutes", type=float, default=100.0, help="wall-clock budget of this invocation")
     p.add_argument("--steps", type=int, help="total optimiser steps of the schedule (default: estimated from --minutes)")
     p.add_argument("--resume", action="store_true")
@@ -293,7 +293,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    state_dir = Path(args.state_dir or f"/work/train_runs/{out.resolve().name}")
+    state_dir = Path(args.state_dir) if args.state_dir else Path.home() / ".cache" / "psd-engine" / "train_runs" / out.resolve().name
     state_dir.mkdir(parents=True, exist_ok=True)
     state_path = state_dir / "train_state.pt"
     tok_path = state_dir / "tokenizer.json"

@@ -1,4 +1,4 @@
-"""psd-engine: one decoding loop for diffusion language models (ALGORITHMS.md §3).
+"""psd-engine: one decoding loop for diffusion language models (docs/algorithms.md §3).
 
 Low-level use from another tool:
 
@@ -8,11 +8,33 @@ Low-level use from another tool:
     results = generate(model, [[1, 2, 3], [4, 5]], method="confidence", threshold=0.9, cache="dual")
     results[0].token_ids, results[0].calls, results[0].tpf
 """
-from .config import ACCEPTANCE, CACHE_MODES, METHODS, SCORES, DecodeConfig
+import sys
+import types
+
+from .cache import CACHE_MODES
+from .config import DecodeConfig
 from .errors import InputError
 from .graph import DraftGraph
-from .loop import Decoder, SequenceResult, aggregate, generate
+from .loop import Decoder, generate
+from .methods import METHODS, Method, register
+from .options import ACCEPTANCE, OPTIONS, Option
 from .policies import Confidence, Greedy, LocalLeap, Policy, TopK
+from .results import SequenceResult, aggregate
 
-__all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "SCORES", "Confidence", "DecodeConfig", "Decoder", "DraftGraph",
-           "Greedy", "InputError", "aggregate", "LocalLeap", "Policy", "SequenceResult", "TopK", "generate"]
+
+
+class _Package(types.ModuleType):
+    """`import engine.generate` binds the submodule as an attribute of its package, which would
+    shadow the function `engine.generate`; the package keeps the function instead."""
+
+    def __setattr__(self, name, value):
+        if name == "generate" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+__all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "OPTIONS", "Confidence", "DecodeConfig", "Decoder", "DraftGraph",
+           "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "SequenceResult", "TopK", "aggregate",
+           "generate", "register"]

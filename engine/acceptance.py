@@ -1,4 +1,4 @@
-"""Choosing the kept draft after the batched verification call (ALGORITHMS.md §3).
+"""Choosing the kept draft after the batched verification call (docs/algorithms.md §3).
 
 All functions are pure tensor functions over R rows and K graph nodes (a Python loop over nodes
 and parents only, never over positions), so they can be property-tested on synthetic verifier
@@ -11,6 +11,9 @@ Inputs shared by every selection:
     vpred, vconf [R, K, L]   the verifier's top-1 and confidence for every node's block
     step    [R]       int64  the root's step index inside the block (topk's schedule)
 Each returns (kept node [R], its step index [R], accepted [R, K]).
+
+The loop sees one interface: a `Selection` is built once per decoder from the method's table
+entry and called with the verifier outputs above, whatever the method.
 """
 from __future__ import annotations
 
@@ -28,11 +31,10 @@ def _deepest(accepted: torch.Tensor, node_size: torch.Tensor) -> torch.Tensor:
 
 
 def hierarchical(policy: Policy, graph: DraftGraph, mask_id: int, drafts, in_node, valid, vpred, vconf, step,
-                 exact: bool = False, check_tokens: bool = True):
+                 exact: bool = False):
     """Node k is accepted if some accepted parent p has, for every i in S_k \\ S_p, the drafted
     token equal to the verifier's x̂_{p,i} and i ∈ π(draft_p, out_p) (policy mode), or
-    S_k \\ S_p = π(draft_p, out_p) with all tokens agreeing (exact, lossless mode).
-    `check_tokens=False` drops the agreement test (FDM's trust in future predictions)."""
+    S_k \\ S_p = π(draft_p, out_p) with all tokens agreeing (exact, lossless mode)."""
     R, K, L = drafts.shape
     accepted = torch.zeros(R, K, dtype=torch.bool, device=drafts.device)
     accepted[:, 0] = True
@@ -41,7 +43,7 @@ def hierarchical(policy: Policy, graph: DraftGraph, mask_id: int, drafts, in_nod
         acc_k = torch.zeros(R, dtype=torch.bool, device=drafts.device)
         for p in graph.parents[k]:
             new = in_node[:, k] & ~in_node[:, p]
-            tok_ok = (~new | (drafts[:, k] == vpred[:, p])).all(-1) if check_tokens else torch.ones_like(acc_k)
+            tok_ok = (~new | (drafts[:, k] == vpred[:, p])).all(-1)
             commit_p = policy.select(vconf[:, p], drafts[:, p] == mask_id, node_step[:, p])
             crit = (new == commit_p).all(-1) if exact else (~new | commit_p).all(-1)
             ok = accepted[:, p] & valid[:, k] & tok_ok & crit
@@ -82,3 +84,56 @@ def best_score(mask_id: int, drafts, valid, vconf, step):
     accepted = torch.zeros_like(valid)
     accepted[torch.arange(len(best), device=best.device), best] = True
     return best, step + 1, accepted
+
+
+class Selection:
+    """`select(drafts, in_node, valid, vpred, vconf, step) -> (kept [R], step of kept [R], accepted [R, K])`.
+    `build(cfg, policy, graph, mask_id)` makes one from a decoding config."""
+
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step):
+        raise NotImplementedError
+
+
+class Hierarchical(Selection):
+    """PSD / Spiffy: the deepest node reachable through accepted parents (policy or exact mode)."""
+
+    def __init__(self, policy: Policy, graph: DraftGraph, mask_id: int, exact: bool):
+        self.policy, self.graph, self.mask_id, self.exact = policy, graph, mask_id, exact
+
+    @classmethod
+    def build(cls, cfg, policy, graph, mask_id):
+        return cls(policy, graph, mask_id, cfg.exact)
+
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step):
+        return hierarchical(self.policy, self.graph, self.mask_id, drafts, in_node, valid, vpred, vconf, step,
+                            exact=self.exact)
+
+
+class BestScore(Selection):
+    """LoPA: the branch with the best mean verifier confidence."""
+
+    def __init__(self, mask_id: int):
+        self.mask_id = mask_id
+
+    @classmethod
+    def build(cls, cfg, policy, graph, mask_id):
+        return cls(mask_id)
+
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step):
+        return best_score(self.mask_id, drafts, valid, vconf, step)
+
+
+class DraftConfidence(Selection):
+    """FDM reconstruction: future steps kept while their drafted positions stay above τ."""
+
+    def __init__(self, tau: float, graph: DraftGraph, mask_id: int):
+        self.tau, self.graph, self.mask_id = tau, graph, mask_id
+
+    @classmethod
+    def build(cls, cfg, policy, graph, mask_id):
+        from .policies import Confidence
+
+        return cls(Confidence.tau if cfg.threshold is None else cfg.threshold, graph, mask_id)
+
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step):
+        return threshold_only(self.tau, self.graph, self.mask_id, drafts, in_node, valid, vpred, vconf, step)

@@ -1,4 +1,4 @@
-"""Draft-graph calibration (ALGORITHMS.md §4, Spiffy's offline step).
+"""Draft-graph calibration (docs/algorithms.md §4, Spiffy's offline step).
 
     python -m engine.calibrate --model DIR --policy greedy --depth 4 --nodes 8 \
         --prompts prompts.txt --out graph.json [--gen-length 128 --block-length 32 --threshold T]
@@ -18,10 +18,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .config import POLICIES, DecodeConfig
+from .config import DecodeConfig
 from .errors import InputError
 from .graph import DraftGraph
 from .loop import Decoder
+from .methods import METHODS, policy_methods
 
 
 def record_reveal_sets(model, prompts: list[list[int]], config: DecodeConfig, depth: int, batch: int = 16) -> Counter:
@@ -93,38 +94,42 @@ def _read_prompts(path: str, tok) -> list[list[int]]:
     return [tok.encode(l) for l in lines]
 
 
+def _policy_options() -> list[str]:
+    """The sizes and every option some plain policy takes."""
+    return ["gen_length", "block_length"] + sorted({o for m in policy_methods() for o in METHODS[m].policy.params})
+
+
 def main(argv=None) -> int:
-    from models import CheckpointError, Tokenizer, load_model
+    from .cli import DTYPE_CHOICES, _Parser, add_decoding_flags, guarded
 
-    from .cli import _Parser
-
-    p = _Parser(prog="python -m engine.calibrate", description="calibrate a draft graph (ALGORITHMS.md §4)")
+    p = _Parser(prog="python -m engine.calibrate", description="calibrate a draft graph (docs/algorithms.md §4)")
     p.add_argument("--model", required=True)
-    p.add_argument("--policy", default="greedy", choices=POLICIES)
-    p.add_argument("--threshold", type=float)
+    p.add_argument("--policy", default="greedy", choices=policy_methods())
+    add_decoding_flags(p, _policy_options())
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--prompts", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--gen-length", type=int, default=128)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--dtype", default="float32")
-    args = p.parse_args(argv)
-    try:
-        cfg = DecodeConfig(method=args.policy, threshold=args.threshold, gen_length=args.gen_length,
-                           block_length=args.block_length).validate()
-        if args.depth < 1:
-            raise InputError(f"--depth must be >= 1, got {args.depth}")
-        tok = Tokenizer(args.model)
-        prompts = _read_prompts(args.prompts, tok)
-        model = load_model(args.model, dtype=args.dtype)
-        freq = record_reveal_sets(model, prompts, cfg, args.depth)
-        graph = select_nodes(freq, args.nodes)
-        graph.save(args.out, policy=cfg.policy().describe(), depth=args.depth, prompts=len(prompts),
-                   observations=sum(freq.values()))
-    except (InputError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    return guarded(_run, p.parse_args(argv))
+
+
+def _run(args) -> int:
+    from models import Tokenizer, load_model
+
+    from .cli import decoding_options
+
+    options = {"gen_length": 128, "block_length": 32, **decoding_options(args, _policy_options())}
+    cfg = DecodeConfig(method=args.policy, **options).validate()
+    if args.depth < 1:
+        raise InputError(f"--depth must be >= 1, got {args.depth}")
+    tok = Tokenizer(args.model)
+    prompts = _read_prompts(args.prompts, tok)
+    model = load_model(args.model, dtype=args.dtype)
+    freq = record_reveal_sets(model, prompts, cfg, args.depth)
+    graph = select_nodes(freq, args.nodes)
+    graph.save(args.out, policy=cfg.policy().describe(), depth=args.depth, prompts=len(prompts),
+               observations=sum(freq.values()))
     print(f"wrote {len(graph)}-node graph (depth {graph.depth}) to {args.out}: {[sorted(s) for s in graph.nodes]}")
     return 0
 

@@ -12,16 +12,65 @@ from pathlib import Path
 
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer
 
-from .config import ACCEPTANCE, CACHE_MODES, CONF_DTYPES, METHODS, POLICIES, SCORES, DecodeConfig
-from .graph import DraftGraph
+from .config import DecodeConfig
 from .errors import InputError
+from .graph import DraftGraph
+from .methods import METHODS, methods_taking, policy_methods
+from .options import OPTIONS, join
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
+DTYPE_CHOICES = [d for d in DTYPES if d != "float16"]      # the kernels' parity dtypes and bf16
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _option_help(o) -> str:
+    """An option's help: what it is, which methods take it, its default (a policy's own where
+    the policy holds it): all read from the option and method tables."""
+    if o.general:
+        return o.help + ("" if o.default is None else f" (default: {o.default})")
+    takers = methods_taking(o.name)
+    per_policy = [f"{m} {METHODS[m].policy.defaults()[o.name]}" for m in policy_methods()
+                  if o.name in METHODS[m].policy.defaults()]
+    default = f"; default: {', '.join(per_policy)}" if per_policy else "" if o.default is None else f"; default: {o.default}"
+    return f"{o.help} ({join(takers)}{default})"
+
+
+def add_decoding_flags(p: argparse.ArgumentParser, names=None) -> None:
+    """One flag per decoding option of engine/options.py (all, or `names`); every default is None
+    so that only what the user gave reaches DecodeConfig (options that do not apply are errors)."""
+    for o in OPTIONS.values():
+        if names is not None and o.name not in names:
+            continue
+        choices = o.allowed() or None
+        p.add_argument(o.flag, dest=o.name, default=None, choices=choices, help=_option_help(o),
+                       type=str if o.kind is DraftGraph else o.kind,
+                       metavar="PATH" if o.kind is DraftGraph else None)
+
+
+def decoding_options(args: argparse.Namespace, names=None) -> dict:
+    """The decoding options the user gave on the command line, parsed (a graph path is loaded)."""
+    out = {}
+    for o in OPTIONS.values():
+        value = getattr(args, o.name, None)
+        if value is not None and (names is None or o.name in names):
+            out[o.name] = o.parse(value) if o.kind is DraftGraph else value
+    return out
+
+
+def guarded(run, *args, errors: tuple = ()) -> int:
+    """Run a command's body: bad input (InputError, CheckpointError and `errors`) becomes one
+    `error:` line on stderr and exit status 2."""
+    try:
+        return run(*args)
+    except (InputError, CheckpointError) + errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,25 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
                                     "default: the shipped models/default")
-    p.add_argument("--method", default="greedy", choices=METHODS)
-    p.add_argument("--gen-length", type=int, help="default: the checkpoint's generation_config.json, else 128")
-    p.add_argument("--block-length", type=int, help="default: the checkpoint's generation_config.json, else 32")
-    p.add_argument("--steps", type=int, help="topk: total steps (default: gen length)")
-    p.add_argument("--threshold", type=float, help="confidence: tau (default 0.9); localleap: tau (default 0.75)")
-    p.add_argument("--kappa", type=float, default=0.9, help="localleap anchor threshold")
-    p.add_argument("--window", type=int, default=4, help="localleap window W")
-    p.add_argument("--cache", default="none", choices=CACHE_MODES)
-    p.add_argument("--score", default="prob", choices=SCORES)
-    p.add_argument("--conf-dtype", default="float32", choices=CONF_DTYPES)
-    p.add_argument("--policy", default="confidence", choices=POLICIES, help="psd: the spatial policy")
-    p.add_argument("--depth", type=int, default=3, help="spiffy/psd: depth of the default chain draft graph")
-    p.add_argument("--graph", help="spiffy/psd: draft graph JSON file (list of rank lists)")
-    p.add_argument("--acceptance", default="policy", choices=ACCEPTANCE,
-                   help="psd: the policy's own criterion, or exact (lossless)")
-    p.add_argument("--k", type=int, default=3, help="lopa: branches; ete: blocks per window; fdm: future steps")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=[d for d in DTYPES if d != "float16"])
+    p.add_argument("--method", default="greedy", choices=list(METHODS),
+                   help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
+    add_decoding_flags(p)
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -104,13 +138,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.model is None and (DEFAULT_MODEL_DIR / "config.json").is_file():
         args.model = str(DEFAULT_MODEL_DIR)
     sizes = _generation_defaults(Path(args.model)) if args.model else {}
-    args.gen_length = args.gen_length or sizes.get("gen_length", 128)
-    args.block_length = args.block_length or sizes.get("block_length", 32)
-    dc = DecodeConfig(method=args.method, gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                      threshold=args.threshold, kappa=args.kappa, window=args.window, cache=args.cache,
-                      score=args.score, temperature=args.temperature, seed=args.seed, conf_dtype=args.conf_dtype,
-                      acceptance=args.acceptance, policy_name=args.policy, depth=args.depth, k=args.k,
-                      graph=DraftGraph.load(args.graph) if args.graph else None).validate()
+    for name, value in sizes.items():          # the checkpoint's suggestion, where the user gave none
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    dc = DecodeConfig(method=args.method, **decoding_options(args)).validate()
     if args.model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").is_file():
             raise InputError(f"--model DIR is required (the shipped default model {DEFAULT_MODEL_DIR} is missing)")
@@ -142,13 +173,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except (InputError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return guarded(_main, args)
+
+
+def _main(args) -> int:
+    out = run(args)
     if args.json:
         print(json.dumps(out))
     else:

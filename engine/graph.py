@@ -1,4 +1,4 @@
-"""Draft graphs (ALGORITHMS.md §3): nodes are sets of ranks into a step's confidence order.
+"""Draft graphs (docs/algorithms.md §3): nodes are sets of ranks into a step's confidence order.
 
 The root is the empty set. An edge p → k exists whenever S_p ⊂ S_k, so a node may have several
 parents (a DAG). Nodes are kept in topological order: by set size, then by the order given.
@@ -74,10 +74,6 @@ class DraftGraph:
     @property
     def depth(self) -> int:
         return max(len(s) for s in self.nodes)
-
-    @property
-    def is_root_only(self) -> bool:
-        return len(self.nodes) == 1
 
     def node_ranks(self, device=None) -> torch.Tensor:
         """[K, D] int64 rank sets padded with -1 (D = max(depth, 1))."""

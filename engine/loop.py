@@ -1,4 +1,4 @@
-"""The one decoding loop (ALGORITHMS.md §3) shared by every method.
+"""The one decoding loop (docs/algorithms.md §3) shared by every method.
 
     out = call([s])                                   # first call of a block
     while the block of s has masked positions:
@@ -9,73 +9,29 @@
         s, out = deepest accepted draft and its verifier output
 
 With a root-only draft graph stage 2 is the identity and stage 3 is the plain next call, so the
-plain policies are this loop, not a copy of it. Rows of a batch advance block by block together;
-inside a block each row takes only the calls it needs (finished rows are left out of a call),
-so per-sequence counts equal a single-sequence run. Cache modes (§6) change only what a call
-runs: `none` the whole canvas, `prefix` the block and what follows over cached keys/values of
-the prefix, `dual` the block alone over a cached prefix and suffix. Drafts of one sequence share
-one cache row. A step reads back a constant number of small tensors (which rows still need a
-call); never one value per position, draft or node.
+plain policies are this loop, not a copy of it. What a method runs in each stage comes from its
+entry in the method table (engine/methods.py); what a call runs, from the cache mode
+(engine/cache.py). Rows of a batch advance block by block together; inside a block each row takes
+only the calls it needs (finished rows are left out of a call), so per-sequence counts equal a
+single-sequence run. A step reads back a constant number of small tensors (which rows still need
+a call); never one value per position, draft or node.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 import psd_kernels
-from models import KVCache, Transformer, attention_mask, position_ids
+from models import Transformer, position_ids
 
-from . import acceptance
-from .config import DecodeConfig
-from .errors import InputError
+from .cache import CACHE_MODES, Window
+from .config import DecodeConfig, check_prompts
 from .policies import rank_of
+from .results import SequenceResult, aggregate, collect_results
+from .state import Batch, BlockRun
 
-
-@dataclass
-class SequenceResult:
-    """What one prompt produced, and how (ALGORITHMS.md §5)."""
-
-    token_ids: list[int]          # generated ids up to and including the stop token
-    calls: int                    # model calls this sequence took part in
-    tokens: int                   # len(token_ids)
-    tpf: float                    # tokens per forward call
-    seconds: float                # wall time of the whole batch
-    rows_per_call: float          # canvases evaluated per call for this sequence (drafts > 1)
-    stopped: bool                 # a stop token ended it before gen_length
-    commit_call: list[int]        # per generated token: index (1-based) of the call whose output committed it
-    commit_step: list[int]        # per generated token: step inside its block (0-based)
-    commit_source: list[int]      # per generated token: 0 = stage 1, 1 = an accepted draft
-    commit_block: list[int]       # per generated token: its block index
-    accepted_depth: dict[int, int] = field(default_factory=dict)  # |S_k*| of the kept node per verification call
-    text: str | None = None
-
-    def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("text", "token_ids", "calls", "tokens", "tpf", "seconds", "rows_per_call",
-                                           "stopped", "commit_call", "commit_step", "commit_source", "commit_block")}
-        d["accepted_depth"] = {str(k): v for k, v in sorted(self.accepted_depth.items())}
-        return d
-
-
-def check_prompts(mc, dc: DecodeConfig, prompts) -> list[list[int]]:
-    """Validate a batch of prompts (token-id lists) against a model config; returns int lists."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
-        raise InputError("prompts must be a non-empty list of token-id lists")
-    out = []
-    for n, p in enumerate(prompts):
-        ids = [int(t) for t in p]
-        if not ids:
-            raise InputError(f"prompt {n} is empty")
-        if any(not 0 <= t < mc.vocab_size for t in ids):
-            raise InputError(f"prompt {n} holds a token id outside the vocabulary of size {mc.vocab_size}")
-        if mc.mask_token_id in ids:
-            raise InputError(f"prompt {n} contains the mask token (id {mc.mask_token_id})")
-        if len(ids) + dc.gen_length > mc.max_length:
-            raise InputError(f"prompt {n} of {len(ids)} tokens plus gen length {dc.gen_length} exceeds "
-                             f"the model's maximum length {mc.max_length}")
-        out.append(ids)
-    return out
+__all__ = ["Decoder", "SequenceResult", "aggregate", "check_prompts", "generate"]
 
 
 class Decoder:
@@ -92,6 +48,8 @@ class Decoder:
         self.dc = (config or DecodeConfig()).validate()
         self.policy = self.dc.policy()
         self.graph = self.dc.draft_graph()
+        self.select = self.dc.selection(self.policy, self.graph, self.mc.mask_token_id)
+        self.cache_mode = CACHE_MODES[self.dc.cache](model)
         dev = model.device
         self.stop_ids = torch.tensor(self.mc.stop_token_ids, device=dev)
         self.node_ranks = self.graph.node_ranks(dev)                               # [K, D]
@@ -101,9 +59,8 @@ class Decoder:
     def check_prompts(self, prompts) -> list[list[int]]:
         return check_prompts(self.mc, self.dc, prompts)
 
-    # ------------------------------------------------------------------ model calls
     def _predict(self, logits: torch.Tensor):
-        """Top-1 token and confidence [R, L] from logits [R, L, V]."""
+        """Top-1 token and confidence [R, W] from logits [R, W, V]."""
         if self.dc.conf_dtype == "float64":
             logits = logits.double()
         noise = None
@@ -113,229 +70,155 @@ class Decoder:
         return psd_kernels.top1(logits, self.mc.mask_token_id, score=self.dc.score,
                                 temperature=self.dc.temperature, noise=noise)
 
-    def _full_call(self, x, valid, pos, lo, return_kv):
-        """Whole canvas; logits for the block (read at i - shift)."""
-        n = x.shape[1]
-        idx = torch.arange(n, device=x.device)
-        mask = attention_mask(self.mc, valid, self.P, lo, self.L, idx, idx)
-        return self.model(x, pos, mask, out_start=lo - self.mc.logit_shift, out_len=self.W, return_kv=return_kv)
-
-    def _query_span(self, lo: int, n: int) -> tuple[int, int]:
-        """Canvas span a cached call runs: the active window (the block, or ETE's blocks), one
-        position before it for a logit shift, and (prefix mode, bidirectional models) the suffix."""
-        hi = lo + self.W
-        q_hi = n if (self.dc.cache == "prefix" and self.mc.attention == "bidirectional") else hi
-        return lo - self.mc.logit_shift, q_hi
-
-    def _block_start(self, x, valid, pos, lo):
-        """First call of a block; with a cache mode it also builds the block's cache."""
-        if self.dc.cache == "none":
-            logits, _ = self._full_call(x, valid, pos, lo, False)
-            return self._predict(logits), None
-        logits, kvs = self._full_call(x, valid, pos, lo, True)
-        n = x.shape[1]
-        q_lo, q_hi = self._query_span(lo, n)
-        dev = x.device
-        cache_idx = torch.arange(q_lo, device=dev)
-        if self.dc.cache == "dual" and self.mc.attention == "bidirectional":
-            # the suffix is invisible to a context-causal block, so only bidirectional models cache it
-            cache_idx = torch.cat((cache_idx, torch.arange(q_hi, n, device=dev)))
-        layers = [(k[:, :, cache_idx], v[:, :, cache_idx]) for k, v in kvs]
-        probe = torch.tensor([lo], device=dev)   # any block query: cache visibility is query-independent
-        key_mask = attention_mask(self.mc, valid, self.P, lo, self.L, probe, cache_idx)[:, 0, 0]
-        return self._predict(logits), KVCache(layers, key_mask)
-
-    def _call(self, x, valid, pos, lo, cache: KVCache | None, cache_rows: torch.Tensor | None):
-        """One model call on rows x [R, N] (drafts already written into their block)."""
-        if cache is None:
-            logits, _ = self._full_call(x, valid, pos, lo, False)
-            return self._predict(logits)
-        q_lo, q_hi = self._query_span(lo, x.shape[1])
-        q_idx = torch.arange(q_lo, q_hi, device=x.device)
-        own = attention_mask(self.mc, valid, self.P, lo, self.L, q_idx, q_idx)
-        logits, _ = self.model(x[:, q_lo:q_hi], pos[:, q_lo:q_hi], own, cache=cache.for_rows(cache_rows),
-                               out_start=0, out_len=self.W)
-        return self._predict(logits)
-
-    # ------------------------------------------------------------------ stopping
-    def _stopped(self, blk, masked):
-        """(stopped [R] bool, first stop position in the block [R]) per ALGORITHMS.md §5."""
-        L = blk.shape[1]
-        idx = torch.arange(L, device=blk.device)
-        is_stop = torch.isin(blk, self.stop_ids) & ~masked
-        first = torch.where(is_stop, idx, L).min(-1).values
-        masked_before = (masked & (idx < first[:, None])).any(-1)
-        return (first < L) & ~masked_before, first
-
-    # ------------------------------------------------------------------ stage 2 + 3
-    def _drafts(self, blk, masked, pred, conf):
-        """Drafts [R, K, W] (psd_kernels.assemble_drafts: ranks by confidence, index ops only),
-        node membership [R, K, W] and valid [R, K] (every rank of the node exists this step)."""
-        if len(self.graph) == 1:
-            return blk[:, None], torch.zeros_like(blk, dtype=torch.bool)[:, None], torch.ones_like(masked[:, :1])
-        drafts, valid = psd_kernels.assemble_drafts(blk, masked, pred, conf.float(), self.node_ranks)
-        # a drafted position was masked (mask id) and now holds a prediction (never the mask id)
-        return drafts, drafts != blk[:, None], valid
-
-    def _accept(self, drafts, in_node, valid, vpred, vconf, step):
-        """Which draft each row keeps; returns (k* [R], step index of k* [R])."""
-        dc, mask_id = self.dc, self.mc.mask_token_id
-        if dc.selection == "best_score":
-            best, bstep, _ = acceptance.best_score(mask_id, drafts, valid, vconf, step)
-        elif dc.selection == "draft_conf":
-            tau = 0.9 if dc.threshold is None else dc.threshold
-            best, bstep, _ = acceptance.threshold_only(tau, self.graph, mask_id, drafts, in_node, valid, vpred, vconf, step)
-        else:
-            best, bstep, _ = acceptance.hierarchical(self.policy, self.graph, mask_id, drafts, in_node, valid, vpred,
-                                                     vconf, step, exact=dc.exact)
-        return best, bstep
-
-    # ------------------------------------------------------------------ the loop
-    @torch.no_grad()
-    def generate(self, prompts) -> list[SequenceResult]:
-        prompts = self.check_prompts(prompts)
-        t0 = time.perf_counter()
-        mc, dc, dev = self.mc, self.dc, self.model.device
-        B, G, L = len(prompts), dc.gen_length, dc.block_length
-        P = max(len(p) for p in prompts)
-        N = P + G
-        self.P, self.L = P, L
+    # ------------------------------------------------------------------ batch and blocks
+    def _new_batch(self, prompts: list[list[int]]) -> Batch:
+        mc, dev, G = self.mc, self.model.device, self.dc.gen_length
+        B, P = len(prompts), max(len(p) for p in prompts)
         pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
-        x = torch.full((B, N), pad, dtype=torch.long, device=dev)
-        valid = torch.zeros(B, N, dtype=torch.bool, device=dev)
+        x = torch.full((B, P + G), pad, dtype=torch.long, device=dev)
+        valid = torch.zeros(B, P + G, dtype=torch.bool, device=dev)
         for b, p in enumerate(prompts):
             x[b, P - len(p):P] = torch.tensor(p, device=dev)
             valid[b, P - len(p):] = True
         x[:, P:] = mc.mask_token_id
-        pos = position_ids(mc, valid)
+        counts = lambda: torch.zeros(B, dtype=torch.long, device=dev)           # noqa: E731
+        per_token = lambda fill: torch.full((B, G), fill, dtype=torch.long, device=dev)  # noqa: E731
+        return Batch(x, valid, position_ids(mc, valid), P, counts(), counts(), counts() - 1, per_token(-1),
+                     per_token(-1), per_token(0), torch.zeros(B, self.graph.depth + 1, dtype=torch.long, device=dev))
 
-        calls = torch.zeros(B, dtype=torch.long, device=dev)
-        rows = torch.zeros(B, dtype=torch.long, device=dev)
-        stop_at = torch.full((B,), -1, dtype=torch.long, device=dev)
-        c_call = torch.full((B, G), -1, dtype=torch.long, device=dev)
-        c_step = torch.full((B, G), -1, dtype=torch.long, device=dev)
-        c_src = torch.zeros(B, G, dtype=torch.long, device=dev)
-        depth_hist = torch.zeros(B, self.graph.depth + 1, dtype=torch.long, device=dev)
-        K = len(self.graph)
+    def _open_block(self, batch: Batch, index: int) -> BlockRun | None:
+        """The rows that still generate and whose block is not complete (ETE may have filled it),
+        after the block's first call; None if there are none."""
+        L, P, N = self.dc.block_length, batch.prompt_width, batch.x.shape[1]
+        lo = P + index * L
+        win = Window(P, L, lo, min(self.dc.window_blocks * L, N - lo))   # the block, or ETE's blocks
+        todo = (batch.stop_at < 0) & (batch.x[:, lo:lo + L] == self.mc.mask_token_id).any(-1)
+        seqs = todo.nonzero()[:, 0]                                        # one sync per block
+        if seqs.numel() == 0:
+            return None
+        x, valid, pos = batch.x[seqs], batch.valid[seqs], batch.pos[seqs]
+        logits, cache = self.cache_mode.start(x, valid, pos, win)
+        pred, conf = self._predict(logits)
+        S, g0, dev = seqs.numel(), lo - P, x.device
+        span = slice(g0, g0 + win.width)
+        return BlockRun(index, seqs, win, x, valid, pos, cache, pred, conf, batch.calls[seqs] + 1,
+                        batch.rows[seqs] + 1, torch.zeros(S, dtype=torch.long, device=dev),
+                        torch.full((S,), -1, dtype=torch.long, device=dev), torch.ones(S, dtype=torch.bool, device=dev),
+                        batch.commit_call[seqs, span], batch.commit_step[seqs, span],
+                        batch.commit_source[seqs, span], batch.depth_hist[seqs])
 
-        for b in range(dc.num_blocks):
-            lo = P + b * L
-            self.W = W = min(dc.window_blocks * L, N - lo)      # active window: the block, or ETE's blocks
-            hi = lo + W
-            # rows still generating whose block is not already complete (ETE may have filled it)
-            todo = (stop_at < 0) & (x[:, lo:lo + L] == mc.mask_token_id).any(-1)
-            sub = todo.nonzero()[:, 0]                          # one sync per block
-            if sub.numel() == 0:
-                if not (stop_at < 0).any():
+    def _close_block(self, batch: Batch, run: BlockRun) -> None:
+        seqs, span = run.seqs, slice(run.gen_start, run.gen_start + run.win.width)
+        batch.x[seqs] = run.x
+        batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls, run.rows, run.stop_at
+        batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call, run.commit_step
+        batch.commit_source[seqs, span] = run.commit_source
+        batch.depth_hist[seqs] = run.depth_hist
+
+    # ------------------------------------------------------------------ stopping (§5), written once
+    def _stopped(self, blk, masked):
+        """(stopped [R] bool, first stop position in the window [R])."""
+        W = blk.shape[1]
+        idx = torch.arange(W, device=blk.device)
+        is_stop = torch.isin(blk, self.stop_ids) & ~masked
+        first = torch.where(is_stop, idx, W).min(-1).values
+        masked_before = (masked & (idx < first[:, None])).any(-1)
+        return (first < W) & ~masked_before, first
+
+    def _apply_stopping(self, run: BlockRun, rows=slice(None)) -> torch.Tensor:
+        """A row stops at a committed stop token with nothing masked before it, and stays pending
+        while its block has masked positions. Returns the rows' masks [R, W]."""
+        masked = run.block(rows) == self.mc.mask_token_id
+        stopped, first = self._stopped(run.block(rows), masked)
+        stopped &= run.pending[rows]
+        run.stop_at[rows] = torch.where(stopped, run.gen_start + first, run.stop_at[rows])
+        run.pending[rows] = run.pending[rows] & ~stopped & masked[:, :run.win.block_length].any(-1)
+        return masked
+
+    # ------------------------------------------------------------------ the three stages
+    def _commit(self, run: BlockRun) -> torch.Tensor:
+        """Stage 1: the policy commits on the latest verifier output; returns the masks [S, W]."""
+        blk = run.block()
+        masked = blk == self.mc.mask_token_id
+        commit = self.policy.select(run.conf, masked, run.step) & run.pending[:, None]
+        run.x[:, run.win.lo:run.win.hi] = torch.where(commit, run.pred, blk)
+        run.commit_call = torch.where(commit, run.calls[:, None], run.commit_call)
+        run.commit_step = torch.where(commit, run.step[:, None], run.commit_step)
+        run.step = run.step + run.pending.long()
+        return self._apply_stopping(run)
+
+    def _draft(self, run: BlockRun, act: torch.Tensor, masked: torch.Tensor):
+        """Stage 2 for the active rows: drafts [A, K, W] (psd_kernels.assemble_drafts: ranks by
+        confidence, index ops only), node membership [A, K, W] and valid [A, K] (every rank of the
+        node exists this step)."""
+        blk, masked = run.block(act), masked[act]
+        if len(self.graph) == 1:
+            return blk[:, None], torch.zeros_like(blk, dtype=torch.bool)[:, None], torch.ones_like(masked[:, :1])
+        drafts, valid = psd_kernels.assemble_drafts(blk, masked, run.pred[act], run.conf[act].float(), self.node_ranks)
+        # a drafted position was masked (mask id) and now holds a prediction (never the mask id)
+        return drafts, drafts != blk[:, None], valid
+
+    def _verify(self, run: BlockRun, act: torch.Tensor, drafts, in_node, valid) -> None:
+        """Stage 3: one batched call over every valid draft of every active row, then each row
+        keeps the draft its method's selection accepts, with that draft's verifier output."""
+        A, K, W = drafts.shape
+        win, dev = run.win, drafts.device
+        pair = valid.reshape(-1).nonzero()[:, 0]             # (row, node) pairs to verify
+        seq_rows = act[pair // K]                             # the sequence (cache row) of each draft
+        canvases = run.x[seq_rows]
+        canvases[:, win.lo:win.hi] = drafts.reshape(-1, W)[pair]
+        logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
+        pred, conf = self._predict(logits)
+        vpred = torch.zeros(A * K, W, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred).view(A, K, W)
+        vconf = torch.zeros(A * K, W, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf).view(A, K, W)
+        best, best_step, _ = self.select(drafts, in_node, valid, vpred, vconf, run.step[act])
+        ar = torch.arange(A, device=dev)
+        kept_in = in_node[ar, best]          # the tokens the kept draft committed (made by the previous call)
+        run.commit_call[act] = torch.where(kept_in, run.calls[act, None], run.commit_call[act])
+        run.commit_step[act] = torch.where(kept_in, run.step[act, None], run.commit_step[act])
+        run.commit_source[act] = torch.where(kept_in, 1, run.commit_source[act])
+        run.depth_hist[act] = run.depth_hist[act].scatter_add(1, self.node_size[best][:, None],
+                                                              torch.ones_like(best)[:, None])
+        run.calls[act] += 1
+        run.rows[act] += valid.sum(-1)
+        run.x[act, win.lo:win.hi] = drafts[ar, best]
+        run.pred[act], run.conf[act], run.step[act] = vpred[ar, best], vconf[ar, best], best_step
+        if K > 1:      # a kept draft changed s: apply the stopping rule again (§3)
+            self._apply_stopping(run, act)
+
+    # ------------------------------------------------------------------ the loop
+    def _decode(self, batch: Batch):
+        """Runs the loop over `batch`, yielding (batch, the open block) after every model call."""
+        for index in range(self.dc.num_blocks):
+            run = self._open_block(batch, index)
+            if run is None:
+                if not (batch.stop_at < 0).any():
                     break
                 continue
-            g0 = lo - P
-            xs, vs, ps = x[sub], valid[sub], pos[sub]
-            (pred, conf), cache = self._block_start(xs, vs, ps, lo)
-            S = sub.numel()
-            calls_s, rows_s = calls[sub] + 1, rows[sub] + 1
-            step = torch.zeros(S, dtype=torch.long, device=dev)
-            stop_s = torch.full((S,), -1, dtype=torch.long, device=dev)
-            pending = torch.ones(S, dtype=torch.bool, device=dev)
-            cc, cs, csrc = c_call[sub, g0:g0 + W], c_step[sub, g0:g0 + W], c_src[sub, g0:g0 + W]
-            hist = depth_hist[sub]
+            yield batch, run
             while True:
-                # ---- stage 1: the policy commits on the latest verifier output
-                blk = xs[:, lo:hi]
-                masked = blk == mc.mask_token_id
-                commit = self.policy.select(conf, masked, step) & pending[:, None]
-                blk = torch.where(commit, pred, blk)
-                cc = torch.where(commit, calls_s[:, None], cc)
-                cs = torch.where(commit, step[:, None], cs)
-                step = step + pending.long()
-                masked = blk == mc.mask_token_id
-                stopped, first = self._stopped(blk, masked)
-                stopped &= pending
-                stop_s = torch.where(stopped, g0 + first, stop_s)
-                pending = pending & ~stopped & masked[:, :L].any(-1)
-                xs[:, lo:hi] = blk
-                act = pending.nonzero()[:, 0]                  # one small read-back per step
+                masked = self._commit(run)
+                act = run.pending.nonzero()[:, 0]                # one small read-back per step
                 if act.numel() == 0:
                     break
                 if self.trace is not None:
-                    self.trace(sub[act], b, step[act] - 1, rank_of(conf[act], masked[act]), pred[act])
-                # ---- stage 2: drafts from the last predictions (index ops only)
-                drafts, in_node, nvalid = self._drafts(blk[act], masked[act], pred[act], conf[act])
-                pair = nvalid.reshape(-1).nonzero()[:, 0]      # (row, node) pairs to verify
-                prow = act[pair // K]                         # the sequence (cache row) of each verified draft
-                # ---- stage 3: one batched call over every draft of every active row
-                xr = xs[prow].clone()
-                xr[:, lo:hi] = drafts.reshape(-1, W)[pair]
-                vp, vc = self._call(xr, vs[prow], ps[prow], lo, cache, prow)
-                A = act.numel()
-                vpred = torch.zeros(A * K, W, dtype=vp.dtype, device=dev).index_copy_(0, pair, vp).view(A, K, W)
-                vconf = torch.zeros(A * K, W, dtype=vc.dtype, device=dev).index_copy_(0, pair, vc).view(A, K, W)
-                best, bstep = self._accept(drafts, in_node, nvalid, vpred, vconf, step[act])
-                ar = torch.arange(A, device=dev)
-                kept, kept_in = drafts[ar, best], in_node[ar, best]
-                # bookkeeping for the tokens the kept draft committed (made by the previous call)
-                cc[act] = torch.where(kept_in, calls_s[act, None], cc[act])
-                cs[act] = torch.where(kept_in, step[act, None], cs[act])
-                csrc[act] = torch.where(kept_in, 1, csrc[act])
-                hist[act] = hist[act].scatter_add(1, self.node_size[best][:, None], torch.ones_like(best)[:, None])
-                calls_s[act] += 1
-                rows_s[act] += nvalid.sum(-1)
-                xs[act, lo:hi] = kept
-                pred[act], conf[act], step[act] = vpred[ar, best], vconf[ar, best], bstep
-                if K > 1:   # a kept draft changed s: apply the stopping rule again (§3)
-                    kb = xs[act, lo:hi]
-                    km = kb == mc.mask_token_id
-                    st, fi = self._stopped(kb, km)
-                    stop_s[act] = torch.where(st, g0 + fi, stop_s[act])
-                    pending[act] = ~st & km[:, :L].any(-1)
-            x[sub] = xs
-            calls[sub], rows[sub], stop_at[sub] = calls_s, rows_s, stop_s
-            c_call[sub, g0:g0 + W], c_step[sub, g0:g0 + W], c_src[sub, g0:g0 + W] = cc, cs, csrc
-            depth_hist[sub] = hist
+                    self.trace(run.seqs[act], index, run.step[act] - 1, rank_of(run.conf[act], masked[act]),
+                               run.pred[act])
+                self._verify(run, act, *self._draft(run, act, masked))
+                yield batch, run
+            self._close_block(batch, run)
 
-        seconds = time.perf_counter() - t0
-        return self._results(x[:, P:], calls, rows, stop_at, c_call, c_step, c_src, depth_hist, seconds)
-
-    def _results(self, gen, calls, rows, stop_at, c_call, c_step, c_src, depth_hist, seconds):
-        gen, calls, rows, stop_at = gen.cpu(), calls.cpu(), rows.cpu(), stop_at.cpu()
-        c_call, c_step, c_src, depth_hist = c_call.cpu(), c_step.cpu(), c_src.cpu(), depth_hist.cpu()
-        out = []
-        for b in range(gen.shape[0]):
-            n = int(stop_at[b]) + 1 if stop_at[b] >= 0 else gen.shape[1]
-            ncall = int(calls[b])
-            hist = {d: int(c) for d, c in enumerate(depth_hist[b].tolist()) if c}
-            r = SequenceResult(
-                token_ids=gen[b, :n].tolist(), calls=ncall, tokens=n, tpf=n / max(ncall, 1), seconds=seconds,
-                rows_per_call=int(rows[b]) / max(ncall, 1), stopped=bool(stop_at[b] >= 0),
-                commit_call=c_call[b, :n].tolist(), commit_step=c_step[b, :n].tolist(),
-                commit_source=c_src[b, :n].tolist(), commit_block=[i // self.dc.block_length for i in range(n)],
-                accepted_depth=hist)
-            out.append(r)
-        return out
+    @torch.no_grad()
+    def generate(self, prompts) -> list[SequenceResult]:
+        prompts = self.check_prompts(prompts)
+        t0 = time.perf_counter()
+        batch = self._new_batch(prompts)
+        for _ in self._decode(batch):
+            pass
+        return collect_results(batch, self.dc.block_length, time.perf_counter() - t0)
 
 
 def generate(model: Transformer, prompts, config: DecodeConfig | None = None, **options) -> list[SequenceResult]:
-    """Decode a batch of prompts (lists of token ids); `options` override fields of `config`."""
-    cfg = DecodeConfig(**options) if config is None else config
-    if config is not None and options:
-        from dataclasses import replace
-
-        cfg = replace(config, **options)
+    """Decode a batch of prompts (lists of token ids); `options` override those of `config`."""
+    cfg = DecodeConfig(**options) if config is None else config.replace(**options) if options else config
     return Decoder(model, cfg).generate(prompts)
-
-
-def aggregate(results: list[SequenceResult]) -> dict:
-    """Statistics over many sequences: totals, TPF = all tokens / all calls, rows per call, the
-    summed accepted-depth histogram and the share of tokens from accepted drafts."""
-    calls = sum(r.calls for r in results)
-    tokens = sum(r.tokens for r in results)
-    rows = sum(r.rows_per_call * r.calls for r in results)
-    hist: dict[int, int] = {}
-    for r in results:
-        for d, c in r.accepted_depth.items():
-            hist[d] = hist.get(d, 0) + c
-    drafted = sum(sum(r.commit_source) for r in results)
-    return {"sequences": len(results), "tokens": tokens, "calls": calls, "tpf": tokens / max(calls, 1),
-            "rows_per_call": rows / max(calls, 1), "draft_token_share": drafted / max(tokens, 1),
-            "accepted_depth": {str(d): c for d, c in sorted(hist.items())},
-            "stopped": sum(r.stopped for r in results)}

@@ -3,17 +3,21 @@
 Every policy is a batched tensor function over rows (no Python loop over positions, no host
 sync): given the block's confidences [R, L], the mask of still-masked positions and the step
 index of each row inside its block, it returns a commit mask [R, L]. It commits at least one
-position in every row that still has a masked one (ALGORITHMS.md §2); ties in confidence go to
+position in every row that still has a masked one (docs/algorithms.md §2); ties in confidence go to
 the lower position index.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 import psd_kernels
+
+from .errors import InputError
 
 NEG_INF = float("-inf")
 
@@ -25,16 +29,11 @@ def masked_conf(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
 
 def rank_of(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     """Rank [R, L] of every position: masked ones by confidence descending, lower index first on
-    ties (the ordering σ of `psd_kernels.rank_positions`, which computes it); unmasked ones rank
-    after every masked one, in position order."""
-    order, n_masked = psd_kernels.rank_positions(conf.float(), masked)
-    R, L = order.shape
-    unmasked = ~masked
-    ranks = n_masked[:, None] + unmasked.long().cumsum(-1) - 1        # unmasked: after every masked one
-    dest = torch.where(order >= 0, order, torch.full_like(order, L))    # invalid slots go to a spill column
-    ranks = torch.cat([ranks, ranks.new_zeros(R, 1)], -1)
-    ranks.scatter_(-1, dest, torch.arange(L, device=conf.device).expand(R, L))
-    return ranks[:, :L]
+    ties (σ, as `psd_kernels.position_ranks` computes it); unmasked ones rank after every masked
+    one, in position order."""
+    ranks, n_masked = psd_kernels.position_ranks(conf.float(), masked)
+    after = n_masked[:, None] + (~masked).long().cumsum(-1) - 1
+    return torch.where(masked, ranks, after)
 
 
 def _top1_mask(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
@@ -56,9 +55,32 @@ def num_transfer_tokens(block_len: int, steps_per_block: int) -> list[int]:
 @dataclass(frozen=True)
 class Policy:
     """Base: `select(conf, masked, step) -> commit` with conf float [R, L], masked bool [R, L],
-    step int64 [R] (this row's step index inside the current block)."""
+    step int64 [R] (this row's step index inside the current block).
 
-    name = "base"
+    `params` maps the decoding options a policy takes (engine/options.py) to its fields; a field's
+    default is the option's default for this policy. `declares` holds the `Option`s of parameters
+    no other policy has (registered with the policy's method). `from_config` builds the policy
+    from a `DecodeConfig`; override it where a field is derived from several options."""
+
+    name: ClassVar[str] = "base"
+    params: ClassVar[dict[str, str]] = {}
+    declares: ClassVar[tuple] = ()
+
+    @classmethod
+    def from_config(cls, cfg) -> "Policy":
+        values = {field: getattr(cfg, opt) for opt, field in cls.params.items()}
+        return cls(**{f: v for f, v in values.items() if v is not None})
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Raise InputError where `cfg` cannot drive this policy (beyond each option's own range)."""
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """Option name -> this policy's default value (for help texts)."""
+        fields = cls.__dataclass_fields__
+        return {opt: fields[f].default for opt, f in cls.params.items()
+                if f in fields and fields[f].default is not dataclasses.MISSING}
 
     def select(self, conf: torch.Tensor, masked: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -82,11 +104,24 @@ class TopK(Policy):
     block_len: int
     steps_per_block: int
     name = "topk"
+    params = {"steps": "steps_per_block"}
+
+    @classmethod
+    def from_config(cls, cfg):
+        steps = cfg.gen_length if cfg.steps is None else cfg.steps
+        return cls(cfg.block_length, steps // cfg.num_blocks)
+
+    @classmethod
+    def check(cls, cfg):
+        steps = cfg.gen_length if cfg.steps is None else cfg.steps
+        if steps < cfg.num_blocks or steps % cfg.num_blocks:
+            raise InputError(f"steps {steps} must be a positive multiple of the number of blocks {cfg.num_blocks}")
 
     def select(self, conf, masked, step):
         sched = torch.tensor(num_transfer_tokens(self.block_len, self.steps_per_block), device=conf.device)
         k = sched[step.clamp(max=self.steps_per_block - 1)].clamp_min(1)      # [R]
-        return (rank_of(conf, masked) < k[:, None]) & masked
+        ranks, _ = psd_kernels.position_ranks(conf.float(), masked)
+        return (ranks < k[:, None]) & masked
 
     def describe(self):
         return f"topk(steps/block={self.steps_per_block})"
@@ -98,6 +133,7 @@ class Confidence(Policy):
 
     tau: float = 0.9
     name = "confidence"
+    params = {"threshold": "tau"}
 
     def select(self, conf, masked, step):
         return _at_least_one(masked & (conf >= self.tau), conf, masked)
@@ -114,6 +150,7 @@ class LocalLeap(Policy):
     tau: float = 0.75
     window: int = 4
     name = "localleap"
+    params = {"kappa": "kappa", "threshold": "tau", "window": "window"}
 
     def select(self, conf, masked, step):
         anchors = masked & (conf >= self.kappa)
@@ -127,14 +164,17 @@ class LocalLeap(Policy):
 
 
 @dataclass(frozen=True)
-class CrossBlock(Policy):
+class CrossBlock(Confidence):
     """ETE reconstruction (docs/methods.md): over a window of several blocks, every masked position
     with c >= tau; if none lies in the current block (the first `block_len` positions), also the
     current block's most confident one, so the block always advances."""
 
-    tau: float = 0.9
     block_len: int = 32
     name = "ete"
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(Confidence.from_config(cfg).tau, cfg.block_length)
 
     def select(self, conf, masked, step):
         commit = masked & (conf >= self.tau)

@@ -1,6 +1,6 @@
 """One config-driven transformer for LLaDA, Dream and openPangu-Diffusion.
 
-The families differ only in config fields (ALGORITHMS.md §7): q/k/v and o biases, GQA, RoPE θ,
+The families differ only in config fields (docs/algorithms.md §7): q/k/v and o biases, GQA, RoPE θ,
 RMS eps, logit shift, attention mode (bidirectional or context-causal blocks), position ids with
 left padding. The forward takes an explicit boolean attention mask for the tokens it runs and,
 optionally, a KV cache of other canvas positions; it returns logits only for the query slice the

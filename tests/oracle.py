@@ -1,4 +1,4 @@
-"""An independent, deliberately naive single-sequence decoder: ALGORITHMS.md §1, §2, §5 written
+"""An independent, deliberately naive single-sequence decoder: docs/algorithms.md §1, §2, §5 written
 as plain Python loops over a stock transformers model (LlamaModel / Qwen2Model run with a
 non-causal mask). The engine must match it token for token."""
 from __future__ import annotations

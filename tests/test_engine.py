@@ -1,4 +1,4 @@
-"""The decoding loop against ALGORITHMS.md: token-for-token equality with a naive oracle over a
+"""The decoding loop against docs/algorithms.md: token-for-token equality with a naive oracle over a
 stock transformers model, the policies' rules, stopping and counting, cache modes."""
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def test_bad_prompts(prompts, msg):
 
 
 def test_no_host_sync_per_position_in_the_loop():
-    """The loop reads back only a constant number of small tensors per step (ALGORITHMS.md §3)."""
+    """The loop reads back only a constant number of small tensors per step (docs/algorithms.md §3)."""
     src = Path(__file__).resolve().parent.parent.joinpath("engine", "loop.py").read_text()
     assert ".item()" not in src and ".tolist()" not in src.split("def _results")[0]
 
@@ -255,7 +255,7 @@ def test_no_host_sync_per_position_in_the_loop():
 @pytest.mark.parametrize("family", ["llada", "pangu"])
 def test_draft_verification_never_copies_the_cache_per_draft(family):
     """A verification call of K drafts against a long cached prefix creates no tensor as large as
-    K copies of one layer's cached keys (ALGORITHMS.md §6: memory grows with K·L, not K·S)."""
+    K copies of one layer's cached keys (docs/algorithms.md §6: memory grows with K·L, not K·S)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     cfg = ModelConfig.tiny(family)

@@ -1,4 +1,4 @@
-"""PSD (ALGORITHMS.md §3-§4): lossless modes, acceptance properties, draft graphs, calibration,
+"""PSD (docs/algorithms.md §3-§4): lossless modes, acceptance properties, draft graphs, calibration,
 and the LoPA / ETE / FDM baselines' invariants."""
 from __future__ import annotations
 

@@ -1,0 +1,100 @@
+"""Cache modes (docs/algorithms.md §6): what one model call runs, behind one interface.
+
+    none    every call runs the whole canvas
+    prefix  the first call of a block runs the whole canvas and caches the keys/values before the
+            block; later calls run the block and what follows it (bidirectional models; a
+            context-causal block never sees what follows) over that cache
+    dual    the block alone, over a cached prefix and (bidirectional models) a cached suffix
+
+Each mode has `start` (the first call of a block; returns its logits and the block's cache) and
+`call` (a later call of rows over that cache). Drafts of one sequence share its cache row:
+`rows` maps every row of a call to the cache row of its sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models import KVCache, attention_mask
+
+
+@dataclass(frozen=True)
+class Window:
+    """Where the current block sits on the canvas, and how wide a step's window is."""
+
+    prompt_width: int       # canvas index where generation starts (prompts are left-padded to it)
+    block_length: int
+    lo: int                 # canvas index of the block
+    width: int              # positions a step may commit: the block, or ETE's several blocks
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.width
+
+    def mask(self, mc, valid, q_idx, k_idx):
+        return attention_mask(mc, valid, self.prompt_width, self.lo, self.block_length, q_idx, k_idx)
+
+
+class NoCache:
+    name = "none"
+
+    def __init__(self, model):
+        self.model, self.mc = model, model.config
+
+    def _full(self, x, valid, pos, win: Window, return_kv: bool):
+        """The whole canvas; logits for the window (read at i - logit shift)."""
+        idx = torch.arange(x.shape[1], device=x.device)
+        return self.model(x, pos, win.mask(self.mc, valid, idx, idx), out_start=win.lo - self.mc.logit_shift,
+                          out_len=win.width, return_kv=return_kv)
+
+    def start(self, x, valid, pos, win: Window):
+        return self._full(x, valid, pos, win, False)[0], None
+
+    def call(self, x, valid, pos, win: Window, cache, rows):
+        return self._full(x, valid, pos, win, False)[0]
+
+
+class PrefixCache(NoCache):
+    name = "prefix"
+
+    def query_span(self, win: Window, n: int) -> tuple[int, int]:
+        """Canvas span a cached call runs: one position before the window for a logit shift, the
+        window, and (here, on bidirectional models) everything after it."""
+        hi = n if self.mc.attention == "bidirectional" else win.hi
+        return win.lo - self.mc.logit_shift, hi
+
+    def cached_positions(self, win: Window, n: int, device) -> torch.Tensor:
+        q_lo, q_hi = self.query_span(win, n)
+        return torch.arange(q_lo, device=device)
+
+    def start(self, x, valid, pos, win: Window):
+        logits, kvs = self._full(x, valid, pos, win, True)
+        idx = self.cached_positions(win, x.shape[1], x.device)
+        layers = [(k[:, :, idx], v[:, :, idx]) for k, v in kvs]
+        probe = torch.tensor([win.lo], device=x.device)   # any block query: cache visibility is query-independent
+        return logits, KVCache(layers, win.mask(self.mc, valid, probe, idx)[:, 0, 0])
+
+    def call(self, x, valid, pos, win: Window, cache, rows):
+        q_lo, q_hi = self.query_span(win, x.shape[1])
+        q_idx = torch.arange(q_lo, q_hi, device=x.device)
+        own = win.mask(self.mc, valid, q_idx, q_idx)
+        logits, _ = self.model(x[:, q_lo:q_hi], pos[:, q_lo:q_hi], own, cache=cache.for_rows(rows),
+                               out_start=0, out_len=win.width)
+        return logits
+
+
+class DualCache(PrefixCache):
+    name = "dual"
+
+    def query_span(self, win: Window, n: int) -> tuple[int, int]:
+        return win.lo - self.mc.logit_shift, win.hi
+
+    def cached_positions(self, win: Window, n: int, device) -> torch.Tensor:
+        prefix = super().cached_positions(win, n, device)
+        if self.mc.attention != "bidirectional":   # the suffix is invisible to a context-causal block
+            return prefix
+        return torch.cat((prefix, torch.arange(win.hi, n, device=device)))
+
+
+CACHE_MODES = {mode.name: mode for mode in (NoCache, PrefixCache, DualCache)}

@@ -1,0 +1,118 @@
+"""The method table: one declarative entry per decoding method (docs/algorithms.md §2-§3).
+
+An entry says which stage-1 policy the method runs, which draft graph stage 2 builds, how stage 3
+keeps a draft, whether that is lossless, and which options the method itself takes (its policy's
+options come with the policy class). `DecodeConfig`, the CLI, `bench.eval` and `engine.calibrate`
+read this table; adding a policy with one parameter is its class (which declares the parameter's
+`Option` if it is new) and one `register(Method(...))`, here or in the caller's own code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .acceptance import BestScore, DraftConfidence, Hierarchical, Selection
+from .graph import DraftGraph
+from .options import OPTIONS
+from .options import register as register_option
+from .policies import Confidence, CrossBlock, Greedy, LocalLeap, Policy, TopK
+
+
+def _never(cfg) -> bool:
+    return False
+
+
+def _one_block(cfg) -> int:
+    return 1
+
+
+def _plain(cfg, policy: Policy, graph: DraftGraph) -> str:
+    return policy.describe()
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    help: str
+    policy: type[Policy] | None              # the stage-1 policy; None: chosen by the `policy_name` option
+    options: tuple[str, ...] = ()            # options of the method itself, beyond its policy's
+    graph: Callable | None = None            # cfg -> stage-2 DraftGraph; None: root only (no drafts)
+    selection: type[Selection] = Hierarchical
+    exact: Callable = _never                 # cfg -> lossless with respect to its policy?
+    window_blocks: Callable = _one_block     # cfg -> blocks whose positions one step may commit
+    describe: Callable = _plain              # (cfg, policy, graph) -> the label in results and tables
+    is_policy: bool = False                  # a plain policy, selectable as psd's spatial policy
+
+    def policy_class(self, cfg) -> type[Policy]:
+        return self.policy if self.policy is not None else METHODS[cfg.policy_name].policy
+
+    def takes(self, cfg) -> tuple[str, ...]:
+        """Options this method takes under `cfg` (psd: its own plus the chosen policy's)."""
+        pol = self.policy_class(cfg) if (self.policy is not None or cfg.policy_name in METHODS) else None
+        own = tuple(pol.params) if pol is not None else ()
+        return tuple(dict.fromkeys(self.options + own))
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add a method to the table, with the new options its policy declares; every option it
+    names must then exist in the option table."""
+    for option in getattr(method.policy, "declares", ()):
+        register_option(option)
+    pol_opts = tuple(method.policy.params) if method.policy is not None else ()
+    missing = [o for o in method.options + pol_opts if o not in OPTIONS]
+    if missing:
+        raise ValueError(f"method {method.name!r} names unknown options {missing}")
+    METHODS[method.name] = method
+    return method
+
+
+def policy_methods() -> tuple[str, ...]:
+    return tuple(name for name, m in METHODS.items() if m.is_policy)
+
+
+def methods_taking(option: str) -> list[str]:
+    """Methods that can take `option` (psd through any of its policies)."""
+    out = []
+    for name, m in METHODS.items():
+        pols = [m.policy] if m.policy is not None else [METHODS[p].policy for p in policy_methods()]
+        if option in m.options or any(option in p.params for p in pols):
+            out.append(name)
+    return out
+
+
+# ---------------------------------------------------------------- stage-2 graphs and labels
+def _option_graph(cfg) -> DraftGraph:
+    return cfg.graph if cfg.graph is not None else DraftGraph.chain(cfg.depth)
+
+
+def _speculative(cfg, policy, graph) -> str:
+    shape = f"d={cfg.depth}" if cfg.graph is None else f"graph={len(graph)} nodes,d={graph.depth}"
+    return f"{cfg.method}({policy.describe()},{shape},{'exact' if cfg.exact else 'policy'})"
+
+
+def _windowed(cfg, policy, graph) -> str:
+    return f"{cfg.method}(k={cfg.k},{policy.describe()})"
+
+
+for _m in (
+    Method("greedy", "one token per step, the most confident", Greedy, is_policy=True),
+    Method("topk", "LLaDA's schedule: k_t tokens at step t", TopK, is_policy=True),
+    Method("confidence", "Fast-dLLM: every position with c >= τ (at least one)", Confidence, is_policy=True),
+    Method("localleap", "anchors c >= κ and positions with c >= τ within W of one", LocalLeap, is_policy=True),
+    Method("spiffy", "lossless drafts of greedy over a draft graph", Greedy, ("depth", "graph"),
+           graph=_option_graph, exact=lambda cfg: True, describe=_speculative),
+    Method("psd", "parallel speculative decoding over any policy", None,
+           ("policy_name", "depth", "graph", "acceptance"), graph=_option_graph,
+           exact=lambda cfg: cfg.acceptance == "exact", describe=_speculative),
+    Method("lopa", "k branches, the best mean confidence kept", Confidence, ("k",),
+           graph=lambda cfg: DraftGraph([[]] + [[j] for j in range(cfg.k - 1)]), selection=BestScore,
+           describe=_windowed),
+    Method("ete", "confidence over a window of k blocks", CrossBlock, ("k",),
+           window_blocks=lambda cfg: cfg.k, describe=_windowed),
+    Method("fdm", "k future greedy steps kept while above τ", Greedy, ("k", "threshold"),
+           graph=lambda cfg: DraftGraph.chain(cfg.k), selection=DraftConfidence, describe=_windowed),
+):
+    register(_m)

@@ -1,0 +1,155 @@
+"""Every decoding option, declared once (docs/algorithms.md §2-§3, §6).
+
+An `Option` carries what every front end needs: its type (the parser of a command-line or
+method-spec string), default, range check, choices, help text and extra spellings. `DecodeConfig`
+(engine/config.py), the flags of `python -m engine.generate` (engine/cli.py), the method specs of
+`bench.eval` and `engine.calibrate` are all derived from `OPTIONS`; which method takes which option
+is said by the method table (engine/methods.py). A policy parameter's default lives on its policy
+class (engine/policies.py), so an option without one here defaults to `None` = "the policy's".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from psd_kernels.reference import SCORES
+
+from .errors import InputError
+from .graph import DraftGraph
+
+CONF_DTYPES = ("float32", "float64")
+ACCEPTANCE = ("policy", "exact")
+
+
+def join(names) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _at_least(lo: int):
+    return lambda label, v: None if v >= lo else f"{label} must be >= {lo}, got {v}"
+
+
+def _unit(label, v):
+    return None if 0.0 < v <= 1.0 else f"{label} {v} is outside (0, 1]"
+
+
+def _finite_nonneg(label, v):
+    return None if math.isfinite(v) and v >= 0 else f"{label} must be finite and >= 0, got {v}"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str                                # DecodeConfig attribute and keyword of engine.generate
+    kind: type                               # int, float, str or DraftGraph
+    help: str
+    default: Any = None                      # None: unset (a policy parameter: the policy's default)
+    label: str = ""                          # how messages name it (default: the name)
+    choices: tuple | Callable[[], tuple] = ()  # allowed values (a callable for tables that can grow)
+    check: Callable[[str, Any], str | None] | None = None   # what is wrong with a value, or None
+    aliases: tuple[str, ...] = ()            # other spellings in method specs (tau, d, w, policy)
+    general: bool = False                    # taken by every method (sizes, cache, sampling)
+    cli: str = ""                            # the command-line flag, where not --name-dashed
+
+    @property
+    def what(self) -> str:
+        return self.label or self.name
+
+    @property
+    def flag(self) -> str:
+        return self.cli or "--" + self.name.replace("_", "-")
+
+    def allowed(self) -> tuple:
+        return self.choices() if callable(self.choices) else self.choices
+
+    def parse(self, text: str):
+        """A value from a command-line or method-spec string."""
+        if self.kind is DraftGraph:
+            return DraftGraph.load(text)
+        try:
+            return self.kind(text.strip())
+        except ValueError:
+            raise InputError(f"bad value {text!r} for {self.what}: expected {self.kind.__name__}") from None
+
+    def validate(self, value):
+        """`value` if it is of the right type, in range and among the choices; else InputError."""
+        if self.kind is DraftGraph:
+            if not isinstance(value, DraftGraph):
+                raise InputError(f"{self.what} must be a DraftGraph, got {type(value).__name__}")
+            return value
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if self.kind is float else \
+            (isinstance(value, int) and not isinstance(value, bool)) if self.kind is int else isinstance(value, self.kind)
+        if not ok:
+            raise InputError(f"{self.what} must be {self.kind.__name__}, got {value!r}")
+        allowed = self.allowed()
+        if allowed and value not in allowed:
+            raise InputError(f"unknown {self.what} {value!r}; expected one of {', '.join(allowed)}")
+        problem = self.check(self.what, value) if self.check else None
+        if problem:
+            raise InputError(problem)
+        return value
+
+
+def _policy_names() -> tuple:
+    from .methods import policy_methods
+
+    return policy_methods()
+
+
+def _cache_modes() -> tuple:
+    from .cache import CACHE_MODES
+
+    return tuple(CACHE_MODES)
+
+
+OPTIONS: dict[str, Option] = {}
+
+
+def register(option: Option) -> Option:
+    """Add an option to the table (a new policy parameter is one call; its default lives on the policy)."""
+    OPTIONS[option.name] = option
+    return option
+
+
+for _o in (
+    # ---- general: every method
+    Option("gen_length", int, "tokens to generate, a multiple of the block length", 128, "gen length",
+           check=_at_least(1), general=True),
+    Option("block_length", int, "block size L", 32, "block length", check=_at_least(1), general=True),
+    Option("cache", str, "KV cache mode", "none", "cache mode", choices=_cache_modes, general=True),
+    Option("score", str, "confidence score", "prob", "confidence score", choices=SCORES, general=True),
+    Option("temperature", float, "Gumbel-max sampling temperature (0: argmax)", 0.0, check=_finite_nonneg,
+           general=True),
+    Option("seed", int, "seed of the sampling noise", 0, check=lambda l, v: None if 0 <= v < 2 ** 64 else
+           f"{l} must be in [0, 2**64), got {v}", general=True),
+    Option("conf_dtype", str, "dtype of the confidence computation (float64 for parity with references)",
+           "float32", "confidence dtype", choices=CONF_DTYPES, general=True),
+    # ---- method and policy options (engine/methods.py says which method takes which)
+    Option("steps", int, "total steps over the generation (default: gen length)", check=_at_least(1)),
+    Option("threshold", float, "confidence threshold τ", check=_unit, aliases=("tau",)),
+    Option("kappa", float, "anchor threshold κ", check=_unit),
+    Option("window", int, "anchor window W", check=_at_least(0), aliases=("w",)),
+    Option("policy_name", str, "the spatial policy under the speculation", "confidence", "policy",
+           choices=_policy_names, aliases=("policy",), cli="--policy"),
+    Option("depth", int, "depth of the default chain draft graph", 3, "draft depth", check=_at_least(0),
+           aliases=("d",)),
+    Option("graph", DraftGraph, "draft graph JSON file (a list of rank lists)", label="a draft graph"),
+    Option("acceptance", str, "the policy's own criterion, or exact (lossless)", "policy", "acceptance mode",
+           choices=ACCEPTANCE),
+    Option("k", int, "lopa: branches; ete: blocks per window; fdm: future steps", 3, check=_at_least(1)),
+):
+    register(_o)
+
+
+def resolve(key: str) -> Option:
+    """The option a spelling names (name or alias)."""
+    for o in OPTIONS.values():
+        if key == o.name or key in o.aliases:
+            return o
+    raise InputError(f"unknown option {key!r}; options: {', '.join(spellings())}")
+
+
+def spellings() -> list[str]:
+    return sorted(s for o in OPTIONS.values() for s in (o.name,) + o.aliases)
