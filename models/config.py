@@ -1,13 +1,14 @@
 """Model configuration: one dataclass whose fields are the family differences.
 
 A config is read from a Hugging Face `config.json` of one of the supported families (LLaDA,
-Dream, openPangu-Diffusion; ALGORITHMS.md §7) and can be written back in that family's own
+Dream, openPangu-Diffusion; docs/algorithms.md §7) and can be written back in that family's own
 layout, so tests can build real-layout checkpoints with random weights.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,13 +63,23 @@ class ModelConfig:
             raise CheckpointError(f"unknown family {self.family!r}; expected one of {FAMILIES}")
         if self.attention not in ATTENTION_MODES:
             raise CheckpointError(f"unknown attention mode {self.attention!r}; expected one of {ATTENTION_MODES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_length"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise CheckpointError(f"{name} must be a positive integer, got {v!r}")
+        if self.head_dim % 2:
+            raise CheckpointError(f"head_dim {self.head_dim} is odd; rotary embeddings need an even head dimension")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        for name in ("mask_token_id", "eos_token_id"):
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
-            if not 0 <= v < self.vocab_size:
+            if v is not None and not 0 <= v < self.vocab_size:
                 raise CheckpointError(f"{name} {v} is outside the vocabulary of size {self.vocab_size}")
         stops = tuple(dict.fromkeys((self.eos_token_id, *self.stop_token_ids)))
+        bad = [s for s in stops if not 0 <= s < self.vocab_size]
+        if bad:
+            raise CheckpointError(f"stop token {bad[0]} is outside the vocabulary of size {self.vocab_size}")
         if self.mask_token_id in stops:
             raise CheckpointError(f"mask token {self.mask_token_id} is also a stop token")
         self.stop_token_ids = stops
@@ -90,32 +101,51 @@ class ModelConfig:
         return cls(**base)
 
     @classmethod
-    def from_hf(cls, raw: dict, generation_config: dict | None = None) -> "ModelConfig":
-        """Build from a parsed `config.json` (and optional `generation_config.json`)."""
-        if "model_type" not in raw:
-            raise CheckpointError("config.json has no model_type")
-        family = family_of(raw["model_type"])
+    def from_hf(cls, raw: dict, generation_config: dict | None = None, source: str = "config.json",
+                gen_source: str = "generation_config.json") -> "ModelConfig":
+        """Build from a parsed `config.json` (and optional `generation_config.json`).
+
+        Every field is type-checked: a wrong type, a non-positive size, an inconsistent head
+        count or an out-of-vocabulary token id raises `CheckpointError` naming `source` (the file),
+        the field and what was expected, never a TypeError or a silently wrong model."""
+        r = _Fields(raw, source)
+        model_type = r.string("model_type")
         try:
-            kw = _FROM_HF[family](raw)
-        except KeyError as e:
-            raise CheckpointError(f"config.json of a {family} model lacks the field {e.args[0]!r}") from None
-        eos = _first(raw.get("eos_token_id"))
-        if eos is None:
-            raise CheckpointError("config.json has no eos_token_id")
-        if raw.get("mask_token_id") is None:
-            raise CheckpointError("config.json has no mask_token_id")
-        stops = list(_as_list(raw.get("eos_token_id")))
-        for key in ("eot_token_id", "stop_token_ids"):
-            stops += _as_list(raw.get(key))
-        if generation_config:
-            stops += _as_list(generation_config.get("eos_token_id"))
+            family = family_of(model_type)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+        r.what = f" (of a {family} model)"
+        kw = _FROM_HF[family](r, family)
+        _check_rope_scaling(r)
+        vocab, vocab_key = kw["vocab_size"], _VOCAB_KEY[family](raw)
+        mask = r.token_id("mask_token_id")
+        eos_list = r.token_ids("eos_token_id", required=True)
+        pad_list = r.token_ids("pad_token_id")
+        extra_stops = {key: r.token_ids(key) for key in ("eot_token_id", "stop_token_ids")}
+        stops = eos_list + [t for ids in extra_stops.values() for t in ids]
+        for key, ids in (("mask_token_id", [mask]), ("eos_token_id", eos_list), ("pad_token_id", pad_list[:1]),
+                         *extra_stops.items()):
+            for t in ids:
+                if t >= vocab:
+                    raise CheckpointError(
+                        f"{source}: {key} {t} is outside the vocabulary of size {vocab} ({vocab_key})")
+        if generation_config is not None:
+            g = _Fields(generation_config, gen_source)
+            gen_eos = g.token_ids("eos_token_id")
+            for t in gen_eos:
+                if t >= vocab:
+                    raise CheckpointError(f"{gen_source}: eos_token_id {t} is outside the vocabulary of size {vocab} "
+                                          f"({vocab_key} of {source})")
+            for key in ("gen_length", "block_length"):     # read by the CLI as default canvas sizes
+                g.pos_int(key, None)
+            stops += gen_eos
         return cls(
             family=family,
-            model_type=raw["model_type"],
-            mask_token_id=int(raw["mask_token_id"]),
-            eos_token_id=int(eos),
-            pad_token_id=_first(raw.get("pad_token_id")),
-            stop_token_ids=tuple(int(s) for s in stops),
+            model_type=model_type,
+            mask_token_id=mask,
+            eos_token_id=eos_list[0],
+            pad_token_id=pad_list[0] if pad_list else None,
+            stop_token_ids=tuple(stops),
             extra=dict(raw),
             **kw,
         )
@@ -123,10 +153,11 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        raw = _read_json(path / "config.json")
+        cfg_path = path / "config.json"
+        raw = _read_json(cfg_path)
         gen_path = path / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else None
-        return cls.from_hf(raw, gen)
+        return cls.from_hf(raw, gen, source=str(cfg_path), gen_source=str(gen_path))
 
     def to_hf(self) -> dict:
         """This config in its family's own config.json layout (the inverse of `from_hf`)."""
@@ -145,17 +176,26 @@ class ModelConfig:
 
 
 # ---------------------------------------------------------------------- per-family field maps
-def _llada_from(r: dict) -> dict:
-    d, h = r["d_model"], r["n_heads"]
-    bias = bool(r.get("include_bias", False))
-    hidden = r.get("mlp_hidden_size") or int(r.get("mlp_ratio", 4) * d)
+def _llada_from(r: "_Fields", family: str) -> dict:
+    d, h = r.pos_int("d_model"), r.pos_int("n_heads")
+    kv = r.pos_int("n_kv_heads", None) or h
+    _check_heads(r, ("d_model", d), ("n_heads", h), ("n_kv_heads", kv), head_dim=None)
+    _check_off(r, ("alibi", False), ("rope", True))
+    bias = r.flag("include_bias", False)
+    hidden = r.pos_int("mlp_hidden_size", None)
+    if hidden is None:
+        hidden = int(r.pos_num("mlp_ratio", 4) * d)
+        if hidden <= 0:
+            r.fail("mlp_ratio", "a ratio that gives a positive MLP size", r.raw["mlp_ratio"])
+    emb = r.pos_int("embedding_size", None)
+    vocab = r.pos_int("vocab_size", None if emb else _MISSING)
     return dict(
-        vocab_size=int(r.get("embedding_size") or r["vocab_size"]),
-        hidden_size=d, intermediate_size=int(hidden), num_layers=r["n_layers"], num_heads=h,
-        num_kv_heads=r.get("n_kv_heads") or h, head_dim=d // h, rope_theta=float(r.get("rope_theta", 10000.0)),
-        rms_eps=float(r.get("rms_norm_eps", 1e-5)), qkv_bias=bias, o_bias=bias, logit_shift=0,
-        attention="bidirectional", tie_embeddings=bool(r.get("weight_tying", False)),
-        max_length=int(r.get("max_sequence_length", 4096)), position_mode="absolute",
+        vocab_size=emb or vocab,
+        hidden_size=d, intermediate_size=hidden, num_layers=r.pos_int("n_layers"), num_heads=h,
+        num_kv_heads=kv, head_dim=d // h, rope_theta=r.pos_num("rope_theta", 10000.0),
+        rms_eps=r.pos_num("rms_norm_eps", 1e-5), qkv_bias=bias, o_bias=bias, logit_shift=0,
+        attention="bidirectional", tie_embeddings=r.flag("weight_tying", False),
+        max_length=r.pos_int("max_sequence_length", 4096), position_mode="absolute",
     )
 
 
@@ -169,19 +209,25 @@ def _llada_to(c: ModelConfig) -> dict:
     )
 
 
-def _qwen_like_from(r: dict, family: str) -> dict:
-    d, h = r["hidden_size"], r["num_attention_heads"]
+def _qwen_like_from(r: "_Fields", family: str) -> dict:
+    d, h = r.pos_int("hidden_size"), r.pos_int("num_attention_heads")
+    kv = r.pos_int("num_key_value_heads", None) or h
+    head_dim = r.pos_int("head_dim", None)
+    _check_heads(r, ("hidden_size", d), ("num_attention_heads", h), ("num_key_value_heads", kv), head_dim)
+    _check_off(r, ("use_sliding_window", False))
     pangu = family == "pangu"
-    bias = bool(r.get("attention_bias", r.get("bias", True)))
+    bias = r.flag("attention_bias", None)
+    if bias is None:
+        bias = r.flag("bias", True)
     return dict(
-        vocab_size=int(r["vocab_size"]), hidden_size=d, intermediate_size=r["intermediate_size"],
-        num_layers=r["num_hidden_layers"], num_heads=h, num_kv_heads=r.get("num_key_value_heads") or h,
-        head_dim=r.get("head_dim") or d // h, rope_theta=float(r.get("rope_theta", 10000.0)),
-        rms_eps=float(r.get("rms_norm_eps", 1e-6)), qkv_bias=bias if pangu else True,
+        vocab_size=r.pos_int("vocab_size"), hidden_size=d, intermediate_size=r.pos_int("intermediate_size"),
+        num_layers=r.pos_int("num_hidden_layers"), num_heads=h, num_kv_heads=kv,
+        head_dim=head_dim or d // h, rope_theta=r.pos_num("rope_theta", 10000.0),
+        rms_eps=r.pos_num("rms_norm_eps", 1e-6), qkv_bias=bias if pangu else True,
         o_bias=bias if pangu else False, logit_shift=1,
         attention="context_causal" if pangu else "bidirectional",
-        tie_embeddings=bool(r.get("tie_word_embeddings", False)),
-        max_length=int(r.get("max_position_embeddings", 32768)), position_mode="cumsum",
+        tie_embeddings=r.flag("tie_word_embeddings", False),
+        max_length=r.pos_int("max_position_embeddings", 32768), position_mode="cumsum",
     )
 
 
@@ -199,27 +245,144 @@ def _qwen_like_to(c: ModelConfig) -> dict:
     return out
 
 
-_FROM_HF = {"llada": _llada_from, "dream": lambda r: _qwen_like_from(r, "dream"),
-            "pangu": lambda r: _qwen_like_from(r, "pangu")}
+_FROM_HF = {"llada": _llada_from, "dream": _qwen_like_from, "pangu": _qwen_like_from}
+# the config.json field that sets the number of embedding rows, for messages
+_VOCAB_KEY = {"llada": lambda raw: "embedding_size" if raw.get("embedding_size") else "vocab_size",
+              "dream": lambda raw: "vocab_size", "pangu": lambda raw: "vocab_size"}
 _TO_HF = {"llada": _llada_to, "dream": _qwen_like_to, "pangu": _qwen_like_to}
 
 
-def _as_list(v) -> list:
+_MISSING = object()
+
+
+def _show(v) -> str:
+    """A JSON value as a user would recognise it in their file, with its JSON type."""
     if v is None:
-        return []
-    return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)]
+        return "null"
+    if isinstance(v, bool):
+        return f"{str(v).lower()} (a boolean)"
+    if isinstance(v, str):
+        return f"{v[:60]!r} (a string)"
+    if isinstance(v, (int, float)):
+        return f"{v!r} (a number)"
+    text = json.dumps(v)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({'a list' if isinstance(v, list) else 'an object'})"
 
 
-def _first(v):
-    lst = _as_list(v)
-    return lst[0] if lst else None
+def _json_type(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number")
 
 
-def _read_json(path: Path) -> dict:
+class _Fields:
+    """Typed reads of one parsed JSON object; every error names the file, the field and what was
+    expected. A default of `_MISSING` makes a field required; null counts as absent otherwise."""
+
+    def __init__(self, raw, source: str):
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{source} must hold a JSON object, got {_json_type(raw)}")
+        self.raw, self.source, self.what = raw, source, ""
+
+    def fail(self, key: str, expected: str, value):
+        raise CheckpointError(f"{self.source}: field {key!r} must be {expected}, got {_show(value)}")
+
+    def _get(self, key: str, default):
+        v = self.raw.get(key)
+        if v is None:
+            if default is _MISSING:
+                if key in self.raw:
+                    self.fail(key, "set", None)
+                raise CheckpointError(f"{self.source} lacks the required field {key!r}{self.what}")
+            return default, False
+        return v, True
+
+    def string(self, key: str, default=_MISSING):
+        v, given = self._get(key, default)
+        if given and not isinstance(v, str):
+            self.fail(key, "a string", v)
+        return v
+
+    def pos_int(self, key: str, default=_MISSING):
+        v, given = self._get(key, default)
+        if given and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            self.fail(key, "a positive integer", v)
+        return v
+
+    def pos_num(self, key: str, default=_MISSING):
+        v, given = self._get(key, default)
+        if given and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            self.fail(key, "a positive number", v)
+        return float(v) if v is not None else v
+
+    def flag(self, key: str, default=_MISSING):
+        v, given = self._get(key, default)
+        if given and not isinstance(v, bool):
+            self.fail(key, "true or false", v)
+        return v
+
+    def token_id(self, key: str) -> int:
+        v, _ = self._get(key, _MISSING)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            self.fail(key, "a non-negative integer token id", v)
+        return v
+
+    def token_ids(self, key: str, required: bool = False) -> list[int]:
+        """An id or a list of ids (as Hugging Face writes eos_token_id); [] when absent."""
+        v, given = self._get(key, _MISSING if required else None)
+        if not given:
+            return []
+        ids = v if isinstance(v, list) else [v]
+        if (not ids and required) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            self.fail(key, "a non-negative integer or a list of them", v)
+        return list(ids)
+
+
+def _check_heads(r: _Fields, hidden: tuple, heads: tuple, kv: tuple, head_dim: int | None) -> None:
+    (hk, d), (nk, h), (kk, k) = hidden, heads, kv
+    if h % k:
+        raise CheckpointError(f"{r.source}: {nk} {h} is not a multiple of {kk} {k} (grouped-query attention "
+                              f"needs whole groups)")
+    if head_dim is None and d % h:
+        raise CheckpointError(f"{r.source}: {hk} {d} is not divisible by {nk} {h}")
+    hd = head_dim or d // h
+    if hd % 2:
+        raise CheckpointError(f"{r.source}: the head dimension {hd} ({'head_dim' if head_dim else f'{hk} / {nk}'}) "
+                              f"is odd; rotary embeddings need it even")
+
+
+def _check_off(r: _Fields, *switches: tuple) -> None:
+    """Architecture switches this transformer does not implement must be absent or at their default."""
+    for key, default in switches:
+        v = r.flag(key, default)
+        if v != default:
+            raise CheckpointError(f"{r.source}: {key}={str(v).lower()} is not supported by this engine")
+
+
+def _check_rope_scaling(r: _Fields) -> None:
+    """The transformer implements plain RoPE; a scaled variant would be silently wrong."""
+    rs = r.raw.get("rope_scaling")
+    if rs is None:
+        return
+    if not isinstance(rs, dict):
+        r.fail("rope_scaling", "an object or null", rs)
+    kind = rs.get("rope_type", rs.get("type"))
+    if rs and kind != "default":
+        raise CheckpointError(f"{r.source}: rope_scaling of type {kind!r} is not supported by this engine "
+                              f"(it implements plain RoPE); got {_show(rs)}")
+
+
+def _read_json(path: Path):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"cannot read {path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"cannot read {path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"cannot read {path}: JSON nested too deeply") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None

@@ -2,13 +2,23 @@
 
 Real LLaDA has more embedding rows (126464) than tokenizer entries, so a model may emit ids the
 tokenizer cannot map; `decode` drops them instead of raising.
+
+The chat template (`chat_template` of tokenizer_config.json, or `chat_template.jinja`) is checked
+and compiled when the tokenizer is built, so a broken one fails at load with one line naming the
+file; it runs in Jinja's immutable sandbox (it is code shipped with the checkpoint) with the
+globals Hugging Face provides (`raise_exception`, `strftime_now`, a JSON `tojson`).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from .config import _Fields, _read_json
 from .errors import CheckpointError
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
 
 
 class Tokenizer:
@@ -17,22 +27,70 @@ class Tokenizer:
 
         path = Path(path)
         f = path / "tokenizer.json"
-        if not f.is_file():
+        if not f.exists():
             raise CheckpointError(f"{f} not found")
+        if not f.is_file():
+            raise CheckpointError(f"{f} is not a regular file")
         try:
             self._tok = _Tok.from_file(str(f))
         except Exception as e:  # the tokenizers library raises a generic Exception subclass
-            raise CheckpointError(f"cannot read {f}: {e}") from None
+            raise CheckpointError(f"cannot read {f}: {_one_line(e)}") from None
         self.size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.chat_template, self._specials = None, {}
+        self.chat_template, self._specials, self._template = None, {}, None
+        self._template_source = ""
         cfg = path / "tokenizer_config.json"
-        if cfg.is_file():
+        if cfg.exists():
+            if not cfg.is_file():
+                raise CheckpointError(f"{cfg} is not a regular file")
+            tc = _Fields(_read_json(cfg), str(cfg))
+            for k in ("bos_token", "eos_token"):
+                v = tc.raw.get(k)
+                if isinstance(v, dict) and isinstance(v.get("content"), str):   # a saved AddedToken
+                    v = v["content"]
+                if v is not None and not isinstance(v, str):
+                    tc.fail(k, "a string or an object with a string \"content\"", v)
+                if v is not None:
+                    self._specials[k] = v
+            self.chat_template = _pick_template(tc)
+            self._template_source = f"the chat_template of {cfg}"
+        jinja = path / "chat_template.jinja"      # newer exporters write the template to its own file
+        if self.chat_template is None and jinja.is_file():
             try:
-                tc = json.loads(cfg.read_text(encoding="utf-8"))
-            except ValueError as e:
-                raise CheckpointError(f"cannot read {cfg}: {e}") from None
-            self.chat_template = tc.get("chat_template")
-            self._specials = {k: tc[k] for k in ("bos_token", "eos_token") if isinstance(tc.get(k), str)}
+                self.chat_template = jinja.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"cannot read {jinja}: {_one_line(e)}") from None
+            self._template_source = f"the chat template {jinja}"
+        if self.chat_template:
+            self._template = self._compile()
+
+    def _compile(self):
+        try:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:          # a broken install; --chat reports it when asked for
+            return None
+
+        def raise_exception(message):
+            raise jinja2.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        def strftime_now(fmt):
+            from datetime import datetime
+
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise CheckpointError(f"{self._template_source} does not compile: {_one_line(e.message)} "
+                                  f"(line {e.lineno} of the template)") from None
+        except Exception as e:       # noqa: BLE001 -- any failure to compile is the checkpoint's
+            raise CheckpointError(f"{self._template_source} does not compile: {_one_line(e)}") from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` exactly as given, with the tokenizer's own post-processing (e.g. BOS)."""
@@ -54,9 +112,31 @@ class Tokenizer:
         """The prompt as one user turn of the checkpoint's chat template, ready for generation."""
         if not self.chat_template:
             raise CheckpointError("--chat needs a chat_template in tokenizer_config.json, and this checkpoint has none")
-        import jinja2
+        if self._template is None:
+            self._template = self._compile()
+        if self._template is None:
+            raise CheckpointError("--chat needs the jinja2 package (pip install jinja2)")
+        try:
+            return self._template.render(
+                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                bos_token=self._specials.get("bos_token", ""), eos_token=self._specials.get("eos_token", ""))
+        except Exception as e:       # noqa: BLE001 -- raise_exception, undefined names, type errors, sandbox
+            # raise_exception(...) raises a plain TemplateError: its text is the template's own message
+            kind = "" if type(e).__name__ == "TemplateError" else f"{type(e).__name__}: "
+            raise CheckpointError(f"{self._template_source} failed to render: {kind}{_one_line(e)}") from None
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-            bos_token=self._specials.get("bos_token", ""), eos_token=self._specials.get("eos_token", ""))
+
+def _pick_template(tc: _Fields) -> str | None:
+    """`chat_template` as a string, or the one named "default" of a list of named templates."""
+    v = tc.raw.get("chat_template")
+    if v is None or isinstance(v, str):
+        return v or None
+    expected = 'a string or a list of {"name": ..., "template": ...} objects'
+    if not isinstance(v, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                          and isinstance(t.get("template"), str) for t in v):
+        tc.fail("chat_template", expected, v)
+    named = {t["name"]: t["template"] for t in v}
+    if "default" not in named:
+        raise CheckpointError(f"{tc.source}: chat_template lists the named templates {sorted(named)} "
+                              f"but none named 'default'")
+    return named["default"] or None

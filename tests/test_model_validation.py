@@ -1,0 +1,476 @@
+"""Bad checkpoints give one clear error, never a traceback or silently wrong output (issue #14).
+
+Each case breaks a tiny real-layout checkpoint the way a user's download or hand edit would:
+wrongly typed or inconsistent config.json / generation_config.json fields, broken tokenizer
+configs and chat templates, broken sharded checkpoints, and non-finite or non-float weights.
+A representative subset runs `python -m engine.generate` as a user would and checks exit status
+2, exactly one `error:` line on stderr and no traceback; the rest call the loaders directly and
+check the exception type and that the message names the file, the field, tensor or shard.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import CheckpointError, ModelConfig, Tokenizer, load_model
+from models.random_checkpoint import make_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """One tiny checkpoint per (family, sharded) pair, copied before each edit."""
+    base = tmp_path_factory.mktemp("pristine")
+    out = {}
+    for family in ("llada", "dream", "pangu"):
+        out[family] = make_checkpoint(base / family, family, seed=1)[0]
+    out["sharded"] = make_checkpoint(base / "sharded", "dream", seed=1, shard_bytes=20_000)[0]
+    return out
+
+
+def _copy(pristine, tmp_path, which="llada") -> Path:
+    d = tmp_path / "m"
+    shutil.copytree(pristine[which], d)
+    return d
+
+
+def _edit_json(d: Path, name: str, fn) -> None:
+    f = d / name
+    obj = json.loads(f.read_text()) if f.is_file() else {}
+    new = fn(obj)
+    f.write_text(json.dumps(obj if new is None else new))
+
+
+def _set(**kv):
+    return lambda o: o.update(kv)
+
+
+def _drop(*keys):
+    def fn(o):
+        for k in keys:
+            del o[k]
+    return fn
+
+
+def _cli(d: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.generate", "hi", "--model", str(d), "--gen-length", "32",
+                           "--block-length", "32", *extra], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+
+
+def _assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> str:
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert p.stdout == ""
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def _rewrite_tensors(f: Path, fn) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(f))
+    fn(sd)
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def _poison(name: str, value=float("nan"), dtype=None):
+    def fn(sd):
+        t = sd[name].clone() if dtype is None else sd[name].to(dtype)
+        t.view(-1)[3] = value
+        sd[name] = t
+    return fn
+
+
+def _shards(d: Path) -> list[Path]:
+    return sorted(d.glob("model-*.safetensors"))
+
+
+# ---------------------------------------------------------------------- config.json
+# (family, edit, words the message must hold besides the file name)
+CONFIG_CASES = {
+    "rope_scaling number": ("dream", _set(rope_scaling=5), ["rope_scaling", "object", "5"]),
+    "rope_scaling unsupported": ("llada", _set(rope_scaling={"type": "linear", "factor": 2.0}),
+                                 ["rope_scaling", "linear", "not supported"]),
+    "hidden_size string": ("dream", _set(hidden_size="64"), ["hidden_size", "positive integer", "'64'"]),
+    "d_model string": ("llada", _set(d_model="64"), ["d_model", "positive integer"]),
+    "heads zero": ("llada", _set(n_heads=0), ["n_heads", "positive integer", "0"]),
+    "heads negative": ("dream", _set(num_attention_heads=-4), ["num_attention_heads", "positive integer", "-4"]),
+    "layers zero": ("pangu", _set(num_hidden_layers=0), ["num_hidden_layers", "positive integer"]),
+    "intermediate negative": ("dream", _set(intermediate_size=-1), ["intermediate_size", "positive integer"]),
+    "vocab zero": ("pangu", _set(vocab_size=0), ["vocab_size", "positive integer"]),
+    "kv heads zero": ("llada", _set(n_kv_heads=0), ["n_kv_heads", "positive integer"]),
+    "head_dim zero": ("dream", _set(head_dim=0), ["head_dim", "positive integer"]),
+    "head_dim odd": ("dream", _set(head_dim=15), ["head_dim", "even"]),
+    "max length zero": ("llada", _set(max_sequence_length=0), ["max_sequence_length", "positive integer"]),
+    "hidden not divisible by heads": ("llada", _set(d_model=66), ["d_model 66", "n_heads 4", "divisible"]),
+    "kv heads do not divide heads": ("dream", _set(num_key_value_heads=3),
+                                     ["num_attention_heads 4", "num_key_value_heads 3", "multiple"]),
+    "bool for int": ("llada", _set(n_layers=True), ["n_layers", "positive integer", "true"]),
+    "float for int": ("dream", _set(num_hidden_layers=2.5), ["num_hidden_layers", "positive integer", "2.5"]),
+    "string for bool": ("llada", _set(include_bias="false"), ["include_bias", "true or false", "'false'"]),
+    "string for number": ("dream", _set(rms_norm_eps="1e-6"), ["rms_norm_eps", "positive number"]),
+    "negative rope theta": ("pangu", _set(rope_theta=-1.0), ["rope_theta", "positive number"]),
+    "list for token id": ("llada", _set(mask_token_id=[63]), ["mask_token_id", "non-negative integer"]),
+    "float token id": ("llada", _set(mask_token_id=62.5), ["mask_token_id", "non-negative integer"]),
+    "object for eos": ("dream", _set(eos_token_id={"id": 62}), ["eos_token_id", "integer or a list"]),
+    "pad outside vocab": ("llada", _set(pad_token_id=999), ["pad_token_id 999", "outside the vocabulary"]),
+    "model_type not a string": ("llada", _set(model_type=5), ["model_type", "string"]),
+    "missing d_model": ("llada", _drop("d_model"), ["d_model", "llada"]),
+    "missing num_hidden_layers": ("pangu", _drop("num_hidden_layers"), ["num_hidden_layers"]),
+    "missing mask_token_id": ("dream", _drop("mask_token_id"), ["mask_token_id"]),
+    "not an object": ("llada", lambda o: [o], ["JSON object", "list"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_bad_config_field_names_file_and_field(pristine, tmp_path, case):
+    family, edit, words = CONFIG_CASES[case]
+    d = _copy(pristine, tmp_path, family)
+    _edit_json(d, "config.json", edit)
+    with pytest.raises(CheckpointError) as e:
+        ModelConfig.from_dir(d)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert str(d / "config.json") in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_config_invalid_utf8(pristine, tmp_path):
+    d = _copy(pristine, tmp_path)
+    (d / "config.json").write_bytes(b'{"model_type": "llada\xff\xfe"}')
+    with pytest.raises(CheckpointError, match=re.escape(f"cannot read {d / 'config.json'}") + ".*UTF-8"):
+        ModelConfig.from_dir(d)
+
+
+def test_real_configs_with_null_optionals_still_load(tmp_path):
+    """Exporters write null for optional fields; null means 'use the default', not an error."""
+    from test_models import REAL_CONFIGS
+
+    raw = dict(REAL_CONFIGS["dream"], rope_scaling=None, num_key_value_heads=None, head_dim=None,
+               tie_word_embeddings=None, sliding_window=None)
+    c = ModelConfig.from_hf(raw)
+    assert c.num_kv_heads == c.num_heads == 28 and c.head_dim == 128 and c.tie_embeddings is False
+    c = ModelConfig.from_hf(dict(REAL_CONFIGS["llada"], rope_scaling={"rope_type": "default"}, n_kv_heads=None))
+    assert c.num_kv_heads == 32
+
+
+# ---------------------------------------------------------------------- generation_config.json
+GEN_CASES = {
+    "not an object": (lambda o: [1, 2], ["JSON object"]),
+    "eos string": (_set(eos_token_id="62"), ["eos_token_id", "integer or a list"]),
+    "eos outside vocab": (_set(eos_token_id=[62, 5000]), ["5000", "outside the vocabulary"]),
+    "gen_length string": (_set(gen_length="64"), ["gen_length", "positive integer"]),
+    "block_length zero": (_set(block_length=0), ["block_length", "positive integer"]),
+}
+
+
+@pytest.mark.parametrize("case", list(GEN_CASES))
+def test_bad_generation_config(pristine, tmp_path, case):
+    edit, words = GEN_CASES[case]
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "generation_config.json", edit)
+    with pytest.raises(CheckpointError) as e:
+        ModelConfig.from_dir(d)
+    msg = str(e.value)
+    assert str(d / "generation_config.json") in msg or "outside the vocabulary" in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+# ---------------------------------------------------------------------- tokenizer / chat template
+TEMPLATE_AT_LOAD = {
+    "chat_template not a string": (5, ["chat_template", "string"]),
+    "chat_template syntax error": ("{% for m in messages %}{{ m['content'] }}", ["chat_template", "line 1"]),
+    "chat_template list without default": ([{"name": "tool_use", "template": "x"}], ["chat_template", "default"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TEMPLATE_AT_LOAD))
+def test_broken_chat_template_fails_when_the_tokenizer_is_built(pristine, tmp_path, case):
+    value, words = TEMPLATE_AT_LOAD[case]
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "tokenizer_config.json", _set(chat_template=value))
+    with pytest.raises(CheckpointError) as e:
+        Tokenizer(d)
+    msg = str(e.value)
+    assert str(d / "tokenizer_config.json") in msg and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("template,words", [
+    ("{{ raise_exception('only system and user turns are supported') }}", ["only system and user turns"]),
+    ("{{ messages[3]['content'] }}", ["chat_template", "render"]),
+    ("{{ messages[0]['content'] / 2 }}", ["chat_template", "render"]),
+])
+def test_chat_template_that_fails_at_render_time(pristine, tmp_path, template, words):
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "tokenizer_config.json", _set(chat_template=template))
+    tok = Tokenizer(d)                         # compiles fine
+    with pytest.raises(CheckpointError) as e:
+        tok.apply_chat_template("t5")
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_named_chat_templates_and_special_token_objects(pristine, tmp_path):
+    """Hugging Face also stores chat_template as a list of named templates and bos/eos tokens as
+    AddedToken objects; the default template is used and the token's content is substituted."""
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "tokenizer_config.json", _set(
+        chat_template=[{"name": "tool_use", "template": "TOOLS"},
+                       {"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}"}],
+        bos_token={"content": "<|bos|>", "__type": "AddedToken"}))
+    assert Tokenizer(d).apply_chat_template("t5") == "<|bos|>t5"
+
+
+def test_chat_template_jinja_file(pristine, tmp_path):
+    """Newer exporters write the template to chat_template.jinja: it is used, and checked at load."""
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "tokenizer_config.json", _drop("chat_template"))
+    (d / "chat_template.jinja").write_text("<|user|> {{ messages[0]['content'] }} <|assistant|>")
+    assert Tokenizer(d).apply_chat_template("t5") == "<|user|> t5 <|assistant|>"
+    (d / "chat_template.jinja").write_text("{% if messages %}unclosed")
+    with pytest.raises(CheckpointError, match=re.escape(str(d / "chat_template.jinja")) + " does not compile"):
+        Tokenizer(d)
+
+
+def test_chat_template_runs_sandboxed(pristine, tmp_path):
+    """A template is code from the checkpoint: it may not reach Python internals."""
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "tokenizer_config.json", _set(chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"))
+    with pytest.raises(CheckpointError, match="chat_template"):
+        Tokenizer(d).apply_chat_template("t5")
+
+
+@pytest.mark.parametrize("case", ["list", "special token not a string"])
+def test_bad_tokenizer_config(pristine, tmp_path, case):
+    d = _copy(pristine, tmp_path)
+    if case == "list":
+        (d / "tokenizer_config.json").write_text("[]")
+        words = ["JSON object"]
+    else:
+        _edit_json(d, "tokenizer_config.json", _set(eos_token=7))
+        words = ["eos_token", "string"]
+    with pytest.raises(CheckpointError) as e:
+        Tokenizer(d)
+    assert str(d / "tokenizer_config.json") in str(e.value)
+    for w in words:
+        assert w in str(e.value)
+
+
+# ---------------------------------------------------------------------- sharded checkpoints
+INDEX = "model.safetensors.index.json"
+
+
+def _index_edit(fn):
+    return lambda d: _edit_json(d, INDEX, fn)
+
+
+def _first_shard_to(value):
+    def fn(o):
+        k = next(iter(o["weight_map"]))
+        o["weight_map"][k] = value
+    return fn
+
+
+def _truncate(d):
+    f = _shards(d)[1]
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 100])
+
+
+def _garbage(d):
+    _shards(d)[0].write_bytes(b"this is not a safetensors file, it is an HTML error page\n" * 20)
+
+
+def _directory(d):
+    f = _shards(d)[0]
+    f.unlink()
+    f.mkdir()
+
+
+def _tensor_moved(d):
+    """The index says a tensor is in shard 1, but shard 1 does not hold it."""
+    def fn(o):
+        first = _shards(d)[0].name
+        k = next(k for k, v in o["weight_map"].items() if v != first)
+        o["weight_map"][k] = first
+    _edit_json(d, INDEX, fn)
+
+
+def _outside(d):
+    shutil.copy(_shards(d)[0], d.parent / "elsewhere.safetensors")
+    _edit_json(d, INDEX, lambda o: o["weight_map"].update(
+        {k: "../elsewhere.safetensors" for k, v in o["weight_map"].items() if v == _shards(d)[0].name}))
+
+
+SHARD_CASES = {
+    "index not an object": (lambda d: (d / INDEX).write_text("[1, 2]"), [INDEX, "JSON object"]),
+    "index invalid utf-8": (lambda d: (d / INDEX).write_bytes(b'{"weight_map": {"a": "\xff"}}'), [INDEX, "UTF-8"]),
+    "weight_map a list": (_index_edit(lambda o: o.update(weight_map=[["a", "b"]])), [INDEX, "weight_map", "object"]),
+    "weight_map value not a string": (_index_edit(_first_shard_to(5)), [INDEX, "weight_map", "file name"]),
+    "weight_map empty": (_index_edit(lambda o: o.update(weight_map={})), [INDEX, "weight_map", "empty"]),
+    "shard outside the directory": (_outside, [INDEX, "../elsewhere.safetensors", "inside"]),
+    "shard truncated": (_truncate, ["model-00002-of-", "not a valid safetensors file"]),
+    "shard not safetensors": (_garbage, ["model-00001-of-", "not a valid safetensors file"]),
+    "shard is a directory": (_directory, ["model-00001-of-", "not a regular file"]),
+    "index names a tensor its shard lacks": (_tensor_moved, ["model-00001-of-", "does not hold"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_CASES))
+def test_broken_sharded_checkpoint_names_the_shard(pristine, tmp_path, case):
+    edit, words = SHARD_CASES[case]
+    d = _copy(pristine, tmp_path, "sharded")
+    edit(d)
+    with pytest.raises(CheckpointError) as e:
+        load_model(d)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_shard(pristine, tmp_path):
+    d = _copy(pristine, tmp_path, "sharded")
+    f = _shards(d)[0]
+    f.chmod(0)
+    try:
+        with pytest.raises(CheckpointError, match=re.escape(f.name)):
+            load_model(d)
+    finally:
+        f.chmod(0o644)
+
+
+def test_single_file_truncated(pristine, tmp_path):
+    d = _copy(pristine, tmp_path, "pangu")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match="model.safetensors is not a valid safetensors file"):
+        load_model(d)
+
+
+# ---------------------------------------------------------------------- weights: finite, floating point
+def test_one_nan_weight_is_named(pristine, tmp_path):
+    d = _copy(pristine, tmp_path, "dream")
+    _rewrite_tensors(d / "model.safetensors", _poison("model.layers.0.self_attn.q_proj.weight"))
+    with pytest.raises(CheckpointError, match=re.escape(
+            "weight model.layers.0.self_attn.q_proj.weight (model.safetensors) holds 1 NaN/Inf value(s)")):
+        load_model(d)
+    assert load_model(d, check_finite=False).config.family == "dream"     # the opt-out
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_inf_weight_in_a_bf16_shard_is_named(pristine, tmp_path, value):
+    d = _copy(pristine, tmp_path, "sharded")
+    f = _shards(d)[-1]
+    from safetensors import safe_open
+
+    with safe_open(str(f), "pt") as h:
+        name = sorted(h.keys())[0]
+    _rewrite_tensors(f, _poison(name, value, dtype=torch.bfloat16))
+    with pytest.raises(CheckpointError, match=re.escape(f"weight {name} ({f.name}) holds 1 NaN/Inf value(s)")):
+        load_model(d, dtype="bfloat16")
+
+
+def test_overflow_when_converting_to_float16_is_named(pristine, tmp_path):
+    d = _copy(pristine, tmp_path, "llada")
+    name = "model.transformer.blocks.1.ff_out.weight"
+    _rewrite_tensors(d / "model.safetensors", _poison(name, 1e6))
+    load_model(d)                                                        # fine in float32
+    with pytest.raises(CheckpointError, match=re.escape(f"weight {name}") + ".*overflow.*float16"):
+        load_model(d, dtype="float16")
+
+
+@pytest.mark.parametrize("dtype,shown", [(torch.int64, "int64"), (torch.bool, "bool"), (torch.uint8, "uint8")])
+def test_non_float_weight_is_named(pristine, tmp_path, dtype, shown):
+    d = _copy(pristine, tmp_path, "pangu")
+    name = "model.layers.1.self_attn.o_proj.bias"
+    _rewrite_tensors(d / "model.safetensors", lambda sd: sd.update({name: sd[name].to(dtype)}))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"weight {name} (model.safetensors) has dtype {shown}, expected a floating-point tensor")):
+        load_model(d)
+
+
+def test_large_finite_weights_are_not_flagged(pristine, tmp_path):
+    """A sum that overflows (float16 rows of 60000s) is not a NaN: the values are then counted."""
+    d = _copy(pristine, tmp_path, "llada")
+    name = "model.transformer.blocks.0.ff_out.weight"
+    _rewrite_tensors(d / "model.safetensors", lambda sd: sd[name].fill_(60000.0))
+    assert torch.all(load_model(d, dtype="float16").layers[0].mlp.w_down.weight == 60000)
+
+
+def test_finite_check_is_a_reduction_not_a_mask(monkeypatch, pristine):
+    """The finiteness check must not build a full-size boolean mask per tensor on the normal path
+    (that costs ~2 s/GiB on CPU; a sum costs ~0.03 s/GiB and is non-finite iff a value is)."""
+    calls = []
+    real = torch.isfinite
+
+    def spy(t):
+        calls.append(t.numel())
+        return real(t)
+
+    monkeypatch.setattr(torch, "isfinite", spy)
+    load_model(pristine["llada"])
+    assert calls and max(calls) == 1
+
+
+# ---------------------------------------------------------------------- as a user hits them
+def _nan_in_layer0(d):
+    _rewrite_tensors(d / "model.safetensors", _poison("model.transformer.blocks.0.q_proj.weight"))
+
+
+def _int_weight(d):
+    name = "model.transformer.blocks.0.attn_norm.weight"
+    _rewrite_tensors(d / "model.safetensors", lambda sd: sd.update({name: sd[name].to(torch.int64)}))
+
+
+CLI_CASES = {
+    "rope_scaling number": ("dream", lambda d: _edit_json(d, "config.json", _set(rope_scaling=5)), [],
+                            ["config.json", "rope_scaling"]),
+    "hidden_size string": ("pangu", lambda d: _edit_json(d, "config.json", _set(hidden_size="64")), [],
+                           ["config.json", "hidden_size", "positive integer"]),
+    "config.json a list": ("llada", lambda d: (d / "config.json").write_text("[]"), [], ["config.json", "JSON object"]),
+    "config.json invalid utf-8": ("llada", lambda d: (d / "config.json").write_bytes(b"{\"a\": \"\xff\"}"), [],
+                                  ["config.json", "UTF-8"]),
+    "kv heads zero": ("dream", lambda d: _edit_json(d, "config.json", _set(num_key_value_heads=0)), [],
+                      ["num_key_value_heads", "positive integer"]),
+    "chat template syntax error": ("llada", lambda d: _edit_json(d, "tokenizer_config.json",
+                                                                 _set(chat_template="{% if %}")), ["--chat"],
+                                   ["tokenizer_config.json", "chat_template"]),
+    "chat template raises": ("llada", lambda d: _edit_json(d, "tokenizer_config.json",
+                                                           _set(chat_template="{{ raise_exception('no chat') }}")),
+                             ["--chat"], ["chat_template", "no chat"]),
+    "tokenizer_config a list": ("llada", lambda d: (d / "tokenizer_config.json").write_text("[]"), [],
+                                ["tokenizer_config.json", "JSON object"]),
+    "index a list": ("sharded", lambda d: (d / INDEX).write_text("[]"), [], [INDEX, "JSON object"]),
+    "truncated shard": ("sharded", _truncate, [], ["model-00002-of-", "not a valid safetensors file"]),
+    "nan weight": ("llada", _nan_in_layer0, [],
+                   ["weight model.transformer.blocks.0.q_proj.weight", "holds 1 NaN/Inf value(s)"]),
+    "int weight": ("llada", _int_weight, [], ["model.transformer.blocks.0.attn_norm.weight", "has dtype int64"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_one_line_error_exit_2(pristine, tmp_path, case):
+    which, edit, extra, words = CLI_CASES[case]
+    d = _copy(pristine, tmp_path, which)
+    edit(d)
+    _assert_one_line_error(_cli(d, *extra), *words)
