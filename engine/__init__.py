@@ -19,7 +19,7 @@ from .loop import Decoder, generate
 from .methods import METHODS, Method, register
 from .options import ACCEPTANCE, OPTIONS, Option
 from .policies import Confidence, Greedy, LocalLeap, Policy, TopK
-from .results import SequenceResult, aggregate
+from .results import SequenceResult, StreamUpdate, aggregate
 
 
 
@@ -36,5 +36,5 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 __all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "OPTIONS", "Confidence", "DecodeConfig", "Decoder", "DraftGraph",
-           "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "SequenceResult", "TopK", "aggregate",
+           "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "SequenceResult", "StreamUpdate", "TopK", "aggregate",
            "generate", "register"]

@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--stream", action="store_true", help="print the text as it becomes final (decoding order)")
     return p
 
 
@@ -131,17 +132,15 @@ def _generation_defaults(model_dir: Path) -> dict:
         cfg = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
     except (OSError, ValueError):
         cfg = {}
-    return {k: int(cfg[k]) for k in ("gen_length", "block_length") if isinstance(cfg.get(k), int)}
+    if not isinstance(cfg, dict):
+        return {}
+    return {k: cfg[k] for k in ("gen_length", "block_length") if type(cfg.get(k)) is int}
 
 
-def run(args: argparse.Namespace) -> dict:
-    if args.model is None and (DEFAULT_MODEL_DIR / "config.json").is_file():
-        args.model = str(DEFAULT_MODEL_DIR)
-    sizes = _generation_defaults(Path(args.model)) if args.model else {}
-    for name, value in sizes.items():          # the checkpoint's suggestion, where the user gave none
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    dc = DecodeConfig(method=args.method, **decoding_options(args)).validate()
+def run(args: argparse.Namespace, on_text=None) -> dict:
+    """Decode the CLI's prompt; `on_text(piece)`, if given, receives the text as it becomes final."""
+    if args.stream and args.json:
+        raise InputError("--stream prints text as it is decoded; it does not combine with --json")
     if args.model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").is_file():
             raise InputError(f"--model DIR is required (the shipped default model {DEFAULT_MODEL_DIR} is missing)")
@@ -150,6 +149,10 @@ def run(args: argparse.Namespace) -> dict:
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
     mc = ModelConfig.from_dir(model_dir)          # cheap checks before the weights are read
+    for name, value in _generation_defaults(model_dir).items():   # the checkpoint's suggestion, if none given
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    dc = DecodeConfig(method=args.method, **decoding_options(args)).validate()
     tok = Tokenizer(model_dir)
     text = _read_prompt(args)
     if not text.strip():
@@ -164,11 +167,30 @@ def run(args: argparse.Namespace) -> dict:
     from models import load_model
 
     model = load_model(model_dir, dtype=args.dtype, device=device)
-    res = Decoder(model, dc).generate([tok.encode(text)])[0]
+    decoder = Decoder(model, dc)
+    if on_text is None:
+        res = decoder.generate([tok.encode(text)])[0]
+    else:
+        res = _stream_text(decoder, tok, tok.encode(text), on_text)
     res.text = tok.decode(res.token_ids)
     out = res.as_dict()
     out.update(method=dc.method, policy=dc.describe(), cache=dc.cache, model=str(model_dir), dtype=args.dtype, device=device)
     return out
+
+
+def _stream_text(decoder, tok, ids, on_text):
+    """Decode one prompt, handing `on_text` each new piece of final text (text is decoded from
+    the whole final prefix, so a multi-byte character is never split)."""
+    tokens, shown = [], ""
+    for update in decoder.stream([ids]):
+        tokens += update.pieces[0]
+        text = tok.decode(tokens)
+        if update.results is None:
+            text = text.rstrip("\ufffd")      # an incomplete UTF-8 sequence waits for its next bytes
+        if text.startswith(shown) and len(text) > len(shown):
+            on_text(text[len(shown):])
+            shown = text
+    return update.results[0]
 
 
 def main(argv=None) -> int:
@@ -177,11 +199,14 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-    out = run(args)
-    if args.json:
+    out = run(args, on_text=(lambda piece: print(piece, end="", flush=True)) if args.stream else None)
+    if args.stream:
+        print()
+    elif args.json:
         print(json.dumps(out))
-    else:
-        print(out["text"])
+    if not args.json:
+        if not args.stream:
+            print(out["text"])
         print(f"[{out['policy']} cache={out['cache']}] tokens={out['tokens']} calls={out['calls']} "
               f"tpf={out['tpf']:.2f} rows/call={out['rows_per_call']:.2f} seconds={out['seconds']:.2f}"
               f"{' (stopped at EOS)' if out['stopped'] else ''}")

@@ -29,6 +29,14 @@ class SequenceResult:
         return d
 
 
+@dataclass
+class StreamUpdate:
+    """What `Decoder.stream` yields after every model call (and once at the end)."""
+
+    pieces: list[list[int]]                          # per sequence: token ids that became final
+    results: list[SequenceResult] | None = None      # the last update only: what generate returns
+
+
 def aggregate(results: list[SequenceResult]) -> dict:
     """Statistics over many sequences: totals, TPF = all tokens / all calls, rows per call, the
     summed accepted-depth histogram and the share of tokens from accepted drafts."""
