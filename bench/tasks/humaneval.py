@@ -18,7 +18,7 @@ Checker: the completion is cut at the first of the stop sequences in
 ``STOP_SEQUENCES`` (Codex's ``\\nclass``, ``\\ndef``, ``\\n#``, ``\\nif``,
 ``\\nprint`` plus ``\\n@`` and a closing code fence), then
 ``prompt + completion + "\\n\\n" + test + "\\n\\ncheck(entry_point)\\n"`` runs in
-the sandbox (5 s); solved iff it passes.
+the sandbox through ``common.check_code`` (5 s); solved iff it passes.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import importlib.util
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..sandbox import run_python, run_python_batch
-from .common import read_jsonl, require_file, truncate_at
+from .common import assemble_program, check_code, read_jsonl, require_file, truncate_at
 
 NAME = "humaneval"
 TIMEOUT_S = 5.0
@@ -99,17 +98,15 @@ def format_prompt(problem: dict, few_shot: Iterable[dict] = ()) -> str:
 
 
 def build_program(completion: str, problem: dict) -> str:
-    body = truncate_at(completion, STOP_SEQUENCES)
     t = problem["target"]
-    return (problem["prompt"] + body + "\n\n" + t["test"] + "\n\n"
-            + f"check({t['entry_point']})\n")
+    return assemble_program(problem["prompt"] + truncate_at(completion, STOP_SEQUENCES),
+                        [t["test"], "", f"check({t['entry_point']})"])
 
 
 def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S) -> bool:
-    return run_python(build_program(completion, problem), timeout_s=timeout_s).ok
+    return check_code([completion], [problem], build_program, timeout_s)[0]
 
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict],
                 timeout_s: float = TIMEOUT_S) -> list[bool]:
-    progs = [build_program(c, p) for c, p in zip(completions, problems, strict=True)]
-    return [r.ok for r in run_python_batch(progs, timeout_s=timeout_s)]
+    return check_code(completions, problems, build_program, timeout_s)

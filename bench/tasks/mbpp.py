@@ -1,12 +1,21 @@
-"""MBPP loader (local JSONL in the original format; nothing is downloaded).
+"""MBPP: the real benchmark, shipped in ``bench/data/mbpp/`` (nothing is downloaded).
 
-Each line of the original ``mbpp.jsonl`` is ``{"task_id": 11, "text": ...,
-"code": ..., "test_list": [3 asserts], "test_setup_code": "",
-"challenge_test_list": [...]}``.  The full file holds all 974 tasks; the
-standard splits are by ``task_id``: prompt 1-10, test 11-510, validation
-511-600, train 601-974 (``load(split=...)``; ``split="all"`` keeps every line).
+Data (google-research/google-research ``mbpp/``, Austin et al. 2021, CC BY 4.0;
+``README.md`` and ``SOURCE.txt`` beside the files):
 
-Prompt format (the original MBPP / lm-evaluation-harness prompt)::
+* ``mbpp.jsonl`` - all 974 tasks, ``{"task_id", "text", "code", "test_list"
+  (3 asserts), "test_setup_code", "challenge_test_list"}``.  Evaluated by
+  default: its **test split, task ids 11-510 (500 problems)**, the split the
+  MBPP paper and lm-evaluation-harness's ``mbpp`` task (``full`` config) use.
+* ``sanitized-mbpp.json`` - the 427 hand-verified tasks (a JSON list;
+  ``prompt`` instead of ``text``, corrected asserts, ``test_imports``).
+  ``--data bench/data/mbpp/sanitized-mbpp.json`` evaluates its test split
+  (257 problems with ids 11-510).
+
+Splits by task id: prompt 1-10, test 11-510, validation 511-600, train 601-974
+(``load(split=...)``; ``"all"`` keeps every task).
+
+Prompt (the MBPP paper's, as lm-eval's ``mbpp`` renders it)::
 
     You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:
 
@@ -15,43 +24,49 @@ Prompt format (the original MBPP / lm-evaluation-harness prompt)::
     {code}
     [DONE]
 
-Few-shot examples (default 3) are tasks 2, 3 and 4 (the standard choice) taken
-from the prompt split of the file given to ``few_shot`` (or, if those ids are
-absent, its first tasks); they are written out with their code and
-``[DONE]``; the query ends with ``[BEGIN]\\n``.
+3 shots, tasks 2, 3 and 4 of ``mbpp.jsonl`` (the paper's choice), each
+written out with its reference code verbatim and ``[DONE]``, each followed by
+a blank line (``"\\n\\n"``); the query ends with ``[BEGIN]\\n``.
 
-Checker: the completion is cut at the first ``[DONE]`` (or a new
-``[BEGIN]``/``You are an expert``), a ``` fence is unwrapped; if that text
-compiles it is used as is (the standard behaviour), otherwise
-``common.extract_code`` pulls out the function(s).  Then
-``test_setup_code + code + test_list`` runs in the sandbox.
+Checker: the completion is cut at the first ``[DONE]`` (or ``\\n[BEGIN]``,
+``\\nYou are an expert``), a code fence is unwrapped; if that text compiles it
+is used as is, otherwise ``common.extract_code`` pulls the function(s) out.
+The program ``test_imports + code + test_setup_code + asserts`` (setup after
+the code: the two tasks that have one build trees of the solution's ``Node``
+class) runs in the sandbox through ``common.check_code`` (10 s).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..sandbox import run_python, run_python_batch
-from .common import _FENCE, _compiles, extract_code, read_jsonl, truncate_at
+from .common import (DATA_DIR, _FENCE, _compiles, assemble_program, check_code,
+                     extract_code, read_jsonl, require_file, truncate_at)
 
 NAME = "mbpp"
+DATA_FILE = DATA_DIR / "mbpp" / "mbpp.jsonl"
+SANITIZED_FILE = DATA_DIR / "mbpp" / "sanitized-mbpp.json"
 DEFAULT_SHOTS = 3
 FEW_SHOT_IDS = (2, 3, 4)
-TIMEOUT_S = 5.0
+# the slowest reference solution (task 123, amicable numbers below 9999) takes
+# 3-6 s on a loaded CPU core; 10 s leaves every reference room to pass
+TIMEOUT_S = 10.0
 SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600),
           "train": (601, 974)}
 STOP_SEQUENCES = ("[DONE]", "\n[BEGIN]", "\nYou are an expert")
 HEADER = ("You are an expert Python programmer, and here is your task: {text} "
-          "Your code should pass these tests:\n\n{tests}\n")
+          "Your code should pass these tests:\n\n{tests}\n[BEGIN]\n")
+SHOT_END = "\n[DONE]\n\n"
 
 _CALLED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 _DEF = re.compile(r"^def\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(", re.M)
 
 
 def _entry_point(code: str, tests: list[str]) -> str | None:
-    defs = _DEF.findall(code)
+    defs = _DEF.findall(code.replace("\r\n", "\n"))
     called = set(_CALLED.findall("\n".join(tests)))
     for name in defs:
         if name in called:
@@ -61,26 +76,37 @@ def _entry_point(code: str, tests: list[str]) -> str | None:
 
 def _problem(rec: dict) -> dict:
     tests = list(rec["test_list"])
-    code = rec["code"].replace("\r\n", "\n").replace("\r", "\n")
+    text = rec["text"] if "text" in rec else rec["prompt"]       # full file / sanitized file
     return {
         "id": f"mbpp-{rec['task_id']}",
         "task_id": rec["task_id"],
-        "prompt": rec["text"].strip(),
-        "answer": code,
+        "prompt": text,
+        "answer": rec["code"],                                      # verbatim (the full file has \r\n)
         "target": {
             "tests": tests,
-            "entry_point": _entry_point(code, tests),
-            "setup": rec.get("test_setup_code") or "",
+            "entry_point": _entry_point(rec["code"], tests),
+            "setup": (rec.get("test_setup_code") or "").replace("\r\n", "\n"),
+            "imports": list(rec.get("test_imports") or []),
         },
     }
 
 
-def load(path: str | Path, split: str = "test", limit: int | None = None) -> list[dict]:
-    """Problems from an MBPP JSONL file, filtered to ``split`` by task_id
-    (``"all"`` keeps every record)."""
+def _read(path) -> list[dict]:
+    """Records of an MBPP file: JSONL (``mbpp.jsonl``) or a JSON list
+    (``sanitized-mbpp.json``)."""
+    p = require_file(path)
+    if p.suffix == ".json":
+        with open(p, encoding="utf-8") as f:
+            return json.load(f)
+    return read_jsonl(p)
+
+
+def load(path: str | Path | None = None, split: str = "test", limit: int | None = None) -> list[dict]:
+    """Problems of an MBPP file (default: the shipped ``mbpp.jsonl``), filtered
+    to ``split`` by task_id (``"all"`` keeps every record)."""
     if split != "all" and split not in SPLITS:
         raise ValueError(f"unknown MBPP split {split!r}; choose from {', '.join(SPLITS)}, all")
-    recs = read_jsonl(path)
+    recs = _read(DATA_FILE if path is None else path)
     if split != "all":
         lo, hi = SPLITS[split]
         recs = [r for r in recs if lo <= int(r["task_id"]) <= hi]
@@ -89,8 +115,9 @@ def load(path: str | Path, split: str = "test", limit: int | None = None) -> lis
 
 
 def few_shot(k: int = DEFAULT_SHOTS, path: str | Path | None = None) -> list[dict]:
-    """Tasks 2, 3, 4 of the file ``path`` (first ``k`` records if absent)."""
-    if path is None or k <= 0:
+    """Tasks 2, 3, 4 of ``path`` (default: the shipped ``mbpp.jsonl``); its
+    first tasks if those ids are absent."""
+    if k <= 0:
         return []
     allp = load(path, split="all")
     by_id = {p["task_id"]: p for p in allp}
@@ -105,9 +132,8 @@ def _header(problem: dict) -> str:
 
 
 def format_prompt(problem: dict, few_shot: Iterable[dict] = ()) -> str:
-    parts = [_header(s) + "[BEGIN]\n" + s["answer"].strip() + "\n[DONE]\n" for s in few_shot]
-    parts.append(_header(problem) + "[BEGIN]\n")
-    return "\n".join(parts)
+    shots = "".join(_header(s) + s["answer"] + SHOT_END for s in few_shot)
+    return shots + _header(problem)
 
 
 def extract(completion: str, problem: dict) -> str | None:
@@ -121,25 +147,15 @@ def extract(completion: str, problem: dict) -> str | None:
 
 
 def build_program(completion: str, problem: dict) -> str | None:
-    code = extract(completion, problem)
-    if code is None:
-        return None
     t = problem["target"]
-    setup = t.get("setup") or ""
-    return (setup + "\n" if setup else "") + code + "\n\n" + "\n".join(t["tests"]) + "\n"
+    return assemble_program(extract(completion, problem), t["tests"],
+                        imports="\n".join(t.get("imports") or ()), setup=t.get("setup") or "")
 
 
 def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S) -> bool:
-    prog = build_program(completion, problem)
-    return prog is not None and run_python(prog, timeout_s=timeout_s).ok
+    return check_code([completion], [problem], build_program, timeout_s)[0]
 
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict],
                 timeout_s: float = TIMEOUT_S) -> list[bool]:
-    progs = [build_program(c, p) for c, p in zip(completions, problems, strict=True)]
-    idx = [i for i, p in enumerate(progs) if p is not None]
-    res = run_python_batch([progs[i] for i in idx], timeout_s=timeout_s)
-    out = [False] * len(progs)
-    for i, r in zip(idx, res):
-        out[i] = r.ok
-    return out
+    return check_code(completions, problems, build_program, timeout_s)
