@@ -1,0 +1,669 @@
+"""`python -m bench.speed`: wall-clock speed of decoding methods, and the cost of one model call.
+
+    python -m bench.speed                                        # shipped model, this machine
+    python -m bench.speed --methods greedy confidence psd:policy=confidence,d=3 spiffy:d=3 \\
+        --batch-sizes 1 32 --num-prompts 16 32 --cache none dual --gen-length 64 --repeats 3
+    python -m bench.speed --shape llada-8b --dtype bfloat16 --cost-curve     # random weights, GPU
+    python -m bench.speed --model DIR --prompts prompts.txt ...              # any checkpoint
+
+End to end: every configuration (gen length x prompt length x cache mode x batch size) decodes
+the same prompts with every method; each repeat runs every method once, in an order rotated
+by one per repeat, so ratios against greedy and against the same policy without drafts
+(psd(confidence) vs confidence, spiffy vs greedy) are measured side by side, per repeat, and
+reported as min and median. Both baselines are added when not listed. Per method: tokens/s,
+ms per model call (wall time / batched model calls, the loop's own work included), rows per
+call, calls, TPF, peak memory (CUDA max_memory_allocated, or the process's peak RSS on CPU).
+
+`--cost-curve`: the latency of ONE model call as a function of its query rows: R draft blocks
+of the block length per sequence over one cached prefix of 512/1024/4096 tokens, through the
+engine's own cache modes (dual by default: the cache is built once, then `CACHE_MODES[mode].call`
+runs the rows over it with every row mapped to its sequence's cache row). Writes a cost
+profile (JSON, docs/gpu.md) that tools read to choose draft budgets.
+
+`--shape NAME` builds random weights at a real shape in memory, on the target device and in
+the target dtype (nothing touches the disk): acceptance is meaningless there, so only the call
+cost side (ms per call against rows per call) is reported.
+
+Output (`--out DIR`, default a fresh runs/speed-<time>/): CSV with the device, torch/triton
+versions and the command line on every row, a Markdown table (printed too), a JSON file, and
+one final JSON line on stdout. Bad input: one `error:` line, exit status 2.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate
+from engine.cache import Window
+from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, _device, _Parser, guarded
+from engine.config import check_prompts
+from engine.methods import METHODS
+from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
+
+from ._common import bench_threads, device_name, versions
+from .eval import parse_method
+
+PROFILE_FORMAT = "psd-cost-profile/1"
+RANDOM_NOTE = ("random weights (--shape): acceptance, TPF and tokens/s mean nothing here; read the call cost "
+               "(ms per call against rows per call)")
+
+# Real shapes (docs/algorithms.md §7; docs/gpu.md gives the sources). Token ids are the real ones.
+SHAPES: dict[str, dict] = {
+    # LLaDA-8B (GSAI-ML/LLaDA-8B-Instruct config.json)
+    "llada-8b": dict(family="llada", model_type="llada", vocab_size=126464, hidden_size=4096,
+                     intermediate_size=12288, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                     rope_theta=5e5, rms_eps=1e-5, max_length=4096, mask_token_id=126336,
+                     eos_token_id=126081, stop_token_ids=(126348,)),
+    # Dream-v0-7B = Qwen2.5-7B's shape (Dream-org/Dream-v0-Instruct-7B config.json)
+    "dream-7b": dict(family="dream", model_type="Dream", vocab_size=152064, hidden_size=3584,
+                     intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                     rope_theta=1e6, rms_eps=1e-6, qkv_bias=True, logit_shift=1, position_mode="cumsum",
+                     max_length=32768, mask_token_id=151666, eos_token_id=151643, stop_token_ids=(151645,)),
+    # openPangu-7B-Diffusion (openpangu/openPangu-R-7B-Diffusion configuration_openpangu_dense.py
+    # defaults = openPangu-Embedded-7B: 34 layers, 32/8 heads, MLP 12800, vocab 153376)
+    "pangu-7b": dict(family="pangu", model_type="PanguEmbedded", vocab_size=153376, hidden_size=4096,
+                     intermediate_size=12800, num_layers=34, num_heads=32, num_kv_heads=8, head_dim=128,
+                     rope_theta=1.6e7, rms_eps=1e-6, qkv_bias=True, o_bias=True, logit_shift=1,
+                     attention="context_causal", position_mode="cumsum", max_length=32768,
+                     mask_token_id=45830, eos_token_id=2, stop_token_ids=(45892,)),
+    # CPU-sized, LLaDA layout: 134M parameters (85M without the embeddings)
+    "small": dict(family="llada", model_type="llada", vocab_size=32000, hidden_size=768,
+                  intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,
+                  rope_theta=5e5, rms_eps=1e-5, max_length=8192, mask_token_id=31999, eos_token_id=0),
+    # tests and the report's dry run: seconds on a CPU
+    "tiny": dict(family="llada", model_type="llada", vocab_size=1024, hidden_size=64, intermediate_size=128,
+                 num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, rope_theta=5e5, rms_eps=1e-5,
+                 max_length=8192, mask_token_id=1023, eos_token_id=0),
+    "tiny-dream": dict(family="dream", model_type="Dream", vocab_size=1024, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, rms_eps=1e-6,
+                       qkv_bias=True, logit_shift=1, position_mode="cumsum", max_length=8192, mask_token_id=1023,
+                       eos_token_id=0),
+}
+
+
+def shape_config(name: str) -> ModelConfig:
+    return ModelConfig(**SHAPES[name])
+
+
+def build_random(config: ModelConfig, device, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> Transformer:
+    """A Transformer with seeded random weights, allocated once on `device` in `dtype` (built on
+    the meta device first: an 8B model never exists as a float32 copy, nor on the host)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1, generator=gen)
+            else:
+                p.normal_(0.0, std if p.dim() > 1 else 5 * std, generator=gen)
+    return model.eval().requires_grad_(False)
+
+
+def param_count(model: Transformer) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------- measuring
+class CallCounter:
+    """Counts the model's forward calls and their rows (a pre-hook: no host sync)."""
+
+    def __init__(self, model: Transformer):
+        self.calls = self.rows = 0
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = args[0] if args else kwargs["ids"]
+        self.calls += 1
+        self.rows += ids.shape[0]
+
+    def reset(self) -> None:
+        self.calls = self.rows = 0
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:                                    # Linux: "5" resets the process's peak RSS (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_mib(device: torch.device) -> float | None:
+    """CUDA: max_memory_allocated since the last reset; CPU: the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
+        if m:
+            return int(m.group(1)) / 1024
+    except OSError:
+        pass
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    except (ImportError, OSError):
+        return None
+
+
+def time_call(fn, device: torch.device, reps: int, warmup: int = 2) -> tuple[float, float]:
+    """(median, min) milliseconds of `fn()`: CUDA events on GPU, perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), min(times)
+
+
+# ---------------------------------------------------------------------- methods and baselines
+def method_label(name: str, opts: dict) -> str:
+    return DecodeConfig(method=name, **opts).validate().describe()
+
+
+def no_draft_baseline(name: str, opts: dict) -> tuple[str, dict] | None:
+    """The same stage-1 policy without drafts (psd(confidence, τ) -> confidence(τ), spiffy and
+    fdm -> greedy, lopa -> confidence), or None for a method that runs no drafts."""
+    cfg = DecodeConfig(method=name, **opts).validate()
+    if cfg.spec.graph is None:
+        return None
+    pol = cfg.spec.policy_class(cfg)
+    for mname, m in METHODS.items():
+        if m.is_policy and m.policy is pol:
+            return mname, {o: cfg.given[o] for o in pol.params if o in cfg.given}
+    return None
+
+
+def method_plan(specs: list[str]) -> list[dict]:
+    """Methods to run, in order: greedy first, each method's no-draft baseline before it (added
+    where not listed); duplicates (same label) once. Each: name, opts, label, and the labels of
+    its two baselines (greedy, and the same policy without drafts or None)."""
+    parsed = [parse_method(s) for s in specs]
+    listed = {method_label(name, opts) for name, opts in parsed}
+    plan, seen = [], {}
+
+    def add(name, opts):
+        label = method_label(name, opts)
+        if label not in seen:
+            seen[label] = {"name": name, "opts": opts, "label": label, "added": label not in listed, "base": None}
+            plan.append(seen[label])
+        return seen[label]
+
+    greedy = add("greedy", {})
+    for name, opts in parsed:
+        base = no_draft_baseline(name, opts)
+        base_label = add(*base)["label"] if base is not None else None
+        add(name, opts)["base"] = base_label
+    for e in plan:
+        e["greedy"] = greedy["label"]
+    return plan
+
+
+# ---------------------------------------------------------------------- prompts
+def read_prompt_file(path: str) -> list[str]:
+    """One prompt per line; a line holding a JSON object uses its "prompt" field (JSONL files)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read prompt file {path}: {getattr(e, 'strerror', None) or e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                raise InputError(f"{path}:{n}: a line starting with '{{' must be a JSON object with a "
+                                 f"\"prompt\" field") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise InputError(f"{path}:{n}: a JSON line needs a string \"prompt\" field")
+            out.append(obj["prompt"])
+        else:
+            out.append(line)
+    if not out:
+        raise InputError(f"prompt file {path} holds no prompt")
+    return out
+
+
+def checkpoint_prompts(args, tok: Tokenizer, n: int) -> tuple[list[list[int]], str]:
+    """n prompts (token ids) from --prompts or the task's held-out file, cycled if fewer."""
+    if args.prompts:
+        texts, source = read_prompt_file(args.prompts), args.prompts
+    else:
+        from .tasks import get_task
+
+        task = get_task(args.task)
+        problems = task.load(None, limit=n)
+        texts, source = [task.format_prompt(p) for p in problems], f"{args.task} held-out"
+    ids = [tok.encode(t) for t in texts]
+    return [ids[i % len(ids)] for i in range(n)], source
+
+
+def fit_length(prompts: list[list[int]], length: int | None) -> list[list[int]]:
+    """Every prompt exactly `length` tokens: its last tokens, preceded by the other prompts'
+    tokens as context where it is shorter (None: unchanged)."""
+    if length is None:
+        return prompts
+    pool = [t for p in prompts for t in p]
+    out = []
+    for i, p in enumerate(prompts):
+        ctx = pool * (length // max(len(pool), 1) + 1)
+        out.append((ctx + p)[-length:] if len(p) < length else p[-length:])
+    return out
+
+
+def random_prompts(mc: ModelConfig, n: int, length: int, seed: int) -> list[list[int]]:
+    """Random token ids, never the mask token or a stop token."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, mc.vocab_size, (n, length), generator=gen)
+    banned = torch.tensor([mc.mask_token_id, *mc.stop_token_ids])
+    safe = next(t for t in range(mc.vocab_size) if t not in banned.tolist())
+    return torch.where(torch.isin(ids, banned), safe, ids).tolist()
+
+
+# ---------------------------------------------------------------------- end to end
+def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen_length, block_length,
+                   repeats, warmup, pbar) -> list[dict]:
+    """Decode `prompts` with every method of `plan`, repeats interleaved in rotating order."""
+    decs = {e["label"]: Decoder(model, DecodeConfig(method=e["name"], gen_length=gen_length,
+                                                    block_length=block_length, cache=cache, **e["opts"]))
+            for e in plan}
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    labels = [e["label"] for e in plan]
+    for label in labels[:] if warmup else ():
+        decs[label].generate(batches[0])            # first-call allocations, kernel compilation
+    runs: dict[str, list[dict]] = {lab: [] for lab in labels}
+    for r in range(repeats):
+        k = r % len(labels)
+        for label in labels[k:] + labels[:k]:
+            _sync(device)
+            _reset_peak(device)
+            counter.reset()
+            results = []
+            t0 = time.perf_counter()
+            for b in batches:
+                results += decs[label].generate(b)
+            _sync(device)
+            seconds = time.perf_counter() - t0
+            runs[label].append({"seconds": seconds, "calls": counter.calls, "rows": counter.rows,
+                                "agg": aggregate(results), "peak": peak_memory_mib(device)})
+            if pbar is not None:
+                pbar.update(1)
+    out = []
+    for e in plan:
+        rs = runs[e["label"]]
+        secs = [x["seconds"] for x in rs]
+        med = statistics.median(secs)
+        agg, calls, rows = rs[0]["agg"], rs[0]["calls"], rs[0]["rows"]
+
+        def ratio(other):
+            if other is None:
+                return None, None
+            q = [o["seconds"] / m["seconds"] for o, m in zip(runs[other], rs)]    # same repeat, side by side
+            return min(q), statistics.median(q)
+
+        g_min, g_med = ratio(e["greedy"])
+        b_min, b_med = ratio(e["base"])
+        peaks = [x["peak"] for x in rs if x["peak"] is not None]
+        out.append({
+            "method": e["label"], "spec": e["name"], "added_baseline": e["added"], "batch": batch_size,
+            "cache": cache, "gen_length": gen_length, "block_length": block_length, "prompts": len(prompts),
+            "prompt_tokens": round(statistics.mean(len(p) for p in prompts), 1), "repeats": len(rs),
+            "tokens": agg["tokens"], "seconds_median": med, "seconds_min": min(secs),
+            "tokens_per_s": agg["tokens"] / med, "calls": calls, "ms_per_call": 1e3 * med / max(calls, 1),
+            "rows_per_call": rows / max(calls, 1), "ms_per_row": 1e3 * med / max(rows, 1),
+            "seq_calls": agg["calls"], "tpf": agg["tpf"], "rows_per_seq_call": agg["rows_per_call"],
+            "draft_token_share": agg["draft_token_share"], "peak_mib": max(peaks) if peaks else None,
+            "vs_greedy_min": g_min, "vs_greedy_median": g_med, "baseline": e["base"],
+            "vs_baseline_min": b_min, "vs_baseline_median": b_med,
+        })
+    return out
+
+
+# ---------------------------------------------------------------------- cost curve
+def cost_curve(model, device, cache: str, prefixes, rows_list, batch_sizes, block_length, reps, warmup, seed,
+               pbar) -> list[dict]:
+    """ms of one model call of R draft blocks per sequence over one cached prefix per sequence."""
+    mc = model.config
+    mode = CACHE_MODES[cache](model)
+    L = block_length
+    curves = []
+    for S in prefixes:
+        for B in batch_sizes:
+            x = torch.tensor(random_prompts(mc, B, S, seed), device=device)
+            x = torch.cat((x, torch.full((B, L), mc.mask_token_id, device=device)), 1)
+            valid = torch.ones_like(x, dtype=torch.bool)
+            pos = position_ids(mc, valid)
+            win = Window(S, L, S, L)
+            with torch.no_grad():
+                _, kv = mode.start(x, valid, pos, win)          # the block's first call builds the cache
+            gen = torch.Generator().manual_seed(seed + 1)
+            ms, ms_min = [], []
+            for R in rows_list:
+                seq_rows = torch.arange(B, device=device).repeat_interleave(R)
+                xr = x[seq_rows].clone()
+                drafted = torch.rand(B * R, L, generator=gen) < 0.5          # drafts: half the block filled in
+                fill = torch.randint(0, mc.vocab_size, (B * R, L), generator=gen)
+                fill = torch.where(fill == mc.mask_token_id, (fill + 1) % mc.vocab_size, fill)
+                xr[:, S:] = torch.where(drafted, fill, torch.full_like(fill, mc.mask_token_id)).to(device)
+                vr, pr = valid[seq_rows], pos[seq_rows]
+
+                def call():
+                    with torch.no_grad():
+                        return mode.call(xr, vr, pr, win, kv, seq_rows)
+
+                med, low = time_call(call, device, reps, warmup)
+                ms.append(med)
+                ms_min.append(low)
+                if pbar is not None:
+                    pbar.update(1)
+            curves.append({"prefix": S, "batch": B, "rows": list(rows_list), "ms": ms, "ms_min": ms_min})
+            del kv
+    return curves
+
+
+# ---------------------------------------------------------------------- output
+def default_out_dir() -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / f"speed-{stamp}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
+
+
+def write_csv(path: Path, rows: list[dict], stamp: dict) -> None:
+    full = [{**r, **stamp} for r in rows]
+    fields: list[str] = []
+    for r in full:
+        fields += [k for k in r if k not in fields]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(full)
+
+
+def _f(v, fmt="{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _pair(lo, med) -> str:
+    return "-" if med is None else f"{med:.2f}x ({lo:.2f}x)"
+
+
+def e2e_markdown(rows: list[dict], header: str, random_weights: bool) -> str:
+    if random_weights:
+        lines = [header, "", f"*{RANDOM_NOTE}*", "",
+                 "| batch | cache | prompt | method | calls | rows/call | ms/call | ms/row | peak MiB |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['batch']} | {r['cache']} | {r['prompt_tokens']:g} | {r['method']} | {r['calls']} | "
+                         f"{r['rows_per_call']:.2f} | {r['ms_per_call']:.2f} | {r['ms_per_row']:.3f} | "
+                         f"{_f(r['peak_mib'], '{:.0f}')} |")
+        return "\n".join(lines)
+    lines = [header, "",
+             "Ratios are wall-clock speedups (baseline seconds / method seconds) measured in the same run, "
+             "per repeat: median (min). `*`: added as a baseline.", "",
+             "| batch | cache | method | tokens/s | ms/call | rows/call | calls | TPF | peak MiB | vs greedy | "
+             "vs no drafts |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        star = "*" if r["added_baseline"] else ""
+        lines.append(f"| {r['batch']} | {r['cache']} | {r['method']}{star} | {r['tokens_per_s']:.0f} | "
+                     f"{r['ms_per_call']:.2f} | {r['rows_per_call']:.2f} | {r['calls']} | {r['tpf']:.2f} | "
+                     f"{_f(r['peak_mib'], '{:.0f}')} | {_pair(r['vs_greedy_min'], r['vs_greedy_median'])} | "
+                     f"{_pair(r['vs_baseline_min'], r['vs_baseline_median'])} |")
+    return "\n".join(lines)
+
+
+def cost_markdown(curves: list[dict], header: str) -> str:
+    lines = [header, "", "ms of one model call (median); `x1` = the cost relative to one row.", "",
+             "| prefix | batch | rows | ms | ms (min) | x1 |", "|---|---|---|---|---|---|"]
+    for c in curves:
+        for R, ms, lo in zip(c["rows"], c["ms"], c["ms_min"]):
+            lines.append(f"| {c['prefix']} | {c['batch']} | {R} | {ms:.3f} | {lo:.3f} | {ms / c['ms'][0]:.2f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- command line
+def build_parser() -> _Parser:
+    p = _Parser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (default: the shipped models/default)")
+    src.add_argument("--shape", choices=list(SHAPES),
+                     help="random weights at a real shape, built in memory (no acceptance: call cost only)")
+    p.add_argument("--methods", nargs="+", default=["greedy", "confidence", "psd:policy=confidence,d=3"],
+                   help="method specs as bench.eval takes them (name[:key=value,...]); greedy and each "
+                        "method's no-draft baseline are added")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument("--num-prompts", type=int, nargs="+",
+                   help="prompts per configuration: one value, or one per batch size "
+                        "(default: 8 for batches below 8, else one batch)")
+    p.add_argument("--cache", nargs="+", default=["none"], choices=list(CACHE_MODES))
+    p.add_argument("--prompt-length", type=int, nargs="+",
+                   help="prompt tokens (default: 64 with --shape; a checkpoint's prompts as they are); with a "
+                        "checkpoint each prompt is cut to / filled up to this length with other prompts' tokens")
+    p.add_argument("--gen-length", type=int, nargs="+", default=[64])
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--task", default="math", choices=["math", "code"],
+                   help="held-out prompts of a checkpoint (default: math)")
+    p.add_argument("--prompts", help="prompt file: one prompt per line, or JSONL with a \"prompt\" field")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (ratios: min and median)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed first batch of every method")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (CPU; also PSD_BENCH_THREADS)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and random prompts")
+    p.add_argument("--cost-curve", action="store_true",
+                   help="time ONE model call against its rows instead of decoding")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="--cost-curve: draft blocks per sequence in one call")
+    p.add_argument("--prefix", type=int, nargs="+", default=[512, 1024, 4096],
+                   help="--cost-curve: cached prefix tokens")
+    p.add_argument("--cost-cache", default="dual", choices=list(CACHE_MODES), help="--cost-curve: cache mode")
+    p.add_argument("--cost-reps", type=int, help="--cost-curve: timed calls per point (default: 20 GPU, 5 CPU)")
+    p.add_argument("--cost-profile-out", help="--cost-curve: the cost profile JSON (default: OUT/cost_profile.json)")
+    p.add_argument("--out", help="output directory (default: a fresh runs/speed-<time>/)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _positive(name: str, values) -> None:
+    for v in values if isinstance(values, (list, tuple)) else [values]:
+        if v is not None and v < 1:
+            raise InputError(f"{name} must be >= 1, got {v}")
+
+
+def _check_args(args) -> None:
+    _positive("--batch-sizes", args.batch_sizes)
+    _positive("--num-prompts", args.num_prompts or [])
+    _positive("--prompt-length", args.prompt_length or [])
+    _positive("--gen-length", args.gen_length)
+    _positive("--block-length", args.block_length)
+    _positive("--repeats", args.repeats)
+    _positive("--rows", args.rows)
+    _positive("--prefix", args.prefix)
+    _positive("--threads", args.threads)
+    _positive("--cost-reps", args.cost_reps)
+    if args.num_prompts and len(args.num_prompts) not in (1, len(args.batch_sizes)):
+        raise InputError(f"--num-prompts takes one value or one per batch size ({len(args.batch_sizes)}), "
+                         f"got {len(args.num_prompts)}")
+    if args.shape and args.prompts:
+        raise InputError("--prompts needs a checkpoint (--model); --shape decodes random prompts")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise InputError(f"prompt file {args.prompts} does not exist")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise InputError(f"--out {args.out} exists and is not a directory")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return guarded(_run, args, sys.argv[1:] if argv is None else list(argv),
+                   errors=(FileNotFoundError, ValueError))
+
+
+def _run(args, argv) -> int:
+    _check_args(args)
+    command = "python -m bench.speed " + " ".join(shlex.quote(a) for a in argv)
+    plan = [] if args.cost_curve else method_plan(args.methods)
+    if not args.cost_curve:
+        for gl in args.gen_length:          # every option checked before any weight is read
+            for cache in args.cache:
+                for e in plan:
+                    DecodeConfig(method=e["name"], gen_length=gl, block_length=args.block_length, cache=cache,
+                                 **e["opts"]).validate()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    else:
+        bench_threads()
+    device = torch.device(_device(args.device))
+    dtype = DTYPES[args.dtype]
+    random_weights = args.shape is not None
+    tok = None
+    if random_weights:
+        mc, model_name = shape_config(args.shape), args.shape
+    else:
+        model_dir = Path(args.model or DEFAULT_MODEL_DIR)
+        if not model_dir.is_dir():
+            raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
+        mc, model_name = ModelConfig.from_dir(model_dir), str(model_dir)
+        tok = Tokenizer(model_dir)
+    prompt_lengths = args.prompt_length or ([64] if random_weights else [None])
+    nums = args.num_prompts or [max(8, b) if b < 8 else b for b in args.batch_sizes]
+    if len(nums) == 1:
+        nums = nums * len(args.batch_sizes)
+    prompt_sets, source = {}, None
+    if not args.cost_curve:
+        for b, n in zip(args.batch_sizes, nums):
+            for plen in prompt_lengths:
+                if random_weights:
+                    prompts, source = random_prompts(mc, n, plen, args.seed), "random tokens"
+                else:
+                    prompts, source = checkpoint_prompts(args, tok, n)
+                    prompts = fit_length(prompts, plen)
+                for gl in args.gen_length:
+                    check_prompts(mc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
+                prompt_sets[b, n, plen] = prompts
+    out = Path(args.out) if args.out else default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+
+    t_load = time.perf_counter()
+    model = build_random(mc, device, dtype, args.seed) if random_weights else load_model(model_dir, dtype=args.dtype,
+                                                                                          device=str(device))
+    load_s = time.perf_counter() - t_load
+    dev_name = device_name(device)
+    stamp = {"device": dev_name, **versions(), "dtype": args.dtype, "model": model_name,
+             "random_weights": random_weights, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+             "command": command}
+    header = (f"model={model_name} ({param_count(model) / 1e6:.1f}M parameters{', random weights' if random_weights else ''}) "
+              f"dtype={args.dtype} device={dev_name} torch={stamp['torch']} triton={stamp['triton']}")
+    from tqdm import tqdm
+
+    quiet = args.quiet or not sys.stderr.isatty()
+    if random_weights:
+        print(f"note: {RANDOM_NOTE}", file=sys.stderr)
+    summary = {"bench": "speed", "out_dir": str(out), "device": dev_name, **versions(), "dtype": args.dtype,
+               "model": model_name, "random_weights": random_weights, "load_seconds": round(load_s, 2),
+               "command": command}
+
+    if args.cost_curve:
+        reps = args.cost_reps or (20 if device.type == "cuda" else 5)
+        total = len(args.prefix) * len(args.batch_sizes) * len(args.rows)
+        with tqdm(total=total, desc="cost curve", disable=quiet, file=sys.stderr) as pbar:
+            curves = cost_curve(model, device, args.cost_cache, args.prefix, args.rows, args.batch_sizes,
+                                args.block_length, reps, 0 if args.no_warmup else 2, args.seed, pbar)
+        meta = {"device": dev_name, "model": model_name, "dtype": args.dtype, "cache": args.cost_cache,
+                "block_length": args.block_length}
+        profile = {"format": PROFILE_FORMAT, **versions(), "command": command, "reps": reps,
+                   "curves": [{**meta, **c} for c in curves]}
+        prof_path = Path(args.cost_profile_out) if args.cost_profile_out else out / "cost_profile.json"
+        prof_path.parent.mkdir(parents=True, exist_ok=True)
+        prof_path.write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
+        flat = [{"prefix": c["prefix"], "batch": c["batch"], "rows": R, "block_length": args.block_length,
+                 "cache": args.cost_cache, "ms": ms, "ms_min": lo, "x1": ms / c["ms"][0]}
+                for c in curves for R, ms, lo in zip(c["rows"], c["ms"], c["ms_min"])]
+        write_csv(out / "cost_curve.csv", flat, stamp)
+        md = cost_markdown(curves, f"cost of one model call ({args.cost_cache} cache, block {args.block_length}, "
+                                   f"{reps} timed calls per point): {header}\n\ncommand: `{command}`")
+        (out / "cost_curve.md").write_text(md + "\n", encoding="utf-8")
+        print(md)
+        summary.update(mode="cost_curve", cost_profile=str(prof_path), csv=str(out / "cost_curve.csv"),
+                       markdown=str(out / "cost_curve.md"),
+                       curves=[{"prefix": c["prefix"], "batch": c["batch"], "rows": c["rows"],
+                                "ms": [round(v, 4) for v in c["ms"]]} for c in curves])
+        print(json.dumps(summary))
+        return 0
+
+    counter = CallCounter(model)
+    rows = []
+    total = len(prompt_sets) * len(args.gen_length) * len(args.cache) * args.repeats * len(plan)
+    with tqdm(total=total, desc="speed", disable=quiet, file=sys.stderr) as pbar:
+        for gl in args.gen_length:
+            for (b, n, plen), prompts in prompt_sets.items():
+                for cache in args.cache:
+                    rows += measure_config(model, counter, device, plan, prompts, b, cache, gl, args.block_length,
+                                           args.repeats, not args.no_warmup, pbar)
+    counter.remove()
+    if random_weights:          # no tokens/s claim from random weights: what acceptance gives is meaningless
+        for r in rows:
+            r.update({k: None for k in ("tokens_per_s", "tpf", "draft_token_share", "vs_greedy_min",
+                                         "vs_greedy_median", "vs_baseline_min", "vs_baseline_median")})
+    write_csv(out / "speed.csv", rows, stamp)
+    md = e2e_markdown(rows, f"{header}\n\nprompts: {source}; gen length {', '.join(map(str, args.gen_length))}, "
+                            f"block {args.block_length}, {args.repeats} interleaved repeats\n\ncommand: `{command}`",
+                      random_weights)
+    (out / "speed.md").write_text(md + "\n", encoding="utf-8")
+    (out / "speed.json").write_text(json.dumps({**summary, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    print(md)
+    if random_weights:
+        print(f"\nnote: {RANDOM_NOTE}")
+    keep = ("method", "batch", "cache", "gen_length", "prompt_tokens", "calls", "rows_per_call", "ms_per_call",
+            "peak_mib") + (() if random_weights else ("tokens_per_s", "tpf", "vs_greedy_min", "vs_greedy_median",
+                                                      "vs_baseline_min", "vs_baseline_median"))
+    summary.update(mode="end_to_end", csv=str(out / "speed.csv"), markdown=str(out / "speed.md"),
+                   json=str(out / "speed.json"), rows=[{k: r[k] for k in keep} for r in rows])
+    if random_weights:
+        summary["note"] = RANDOM_NOTE
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
