@@ -177,7 +177,10 @@ def _generation_defaults(model_dir: Path) -> dict:
         cfg = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
     except (OSError, ValueError):
         cfg = {}
-    return {k: int(cfg[k]) for k in ("gen_length", "block_length") if isinstance(cfg.get(k), int)}
+    if not isinstance(cfg, dict):       # not an object: no suggestion (as engine.generate ignores it)
+        cfg = {}
+    return {k: cfg[k] for k in ("gen_length", "block_length")
+            if isinstance(cfg.get(k), int) and not isinstance(cfg[k], bool) and cfg[k] > 0}
 
 
 def _device(name: str | None, strict: bool) -> str:
@@ -260,7 +263,6 @@ class PsdLM(LM):
             m["batch_size"] = _int("batch_size", hb)
         if m["batch_size"] < 1:
             raise InputError(f"batch_size must be >= 1, got {m['batch_size']}")
-        device = _device(m["device"], strict=True) if m["device"] is not None else _device(harness.get("device"), strict=False)
 
         # decoding options, typed by the engine's own declarations
         given: dict[str, Any] = {}
@@ -285,6 +287,7 @@ class PsdLM(LM):
         block = given.get("block_length", DecodeConfig().block_length)
         # checked now, at construction: a bad option fails before any data is read
         self.decode_config(self.explicit_gen_length or block)
+        device = _device(m["device"], strict=True) if m["device"] is not None else _device(harness.get("device"), strict=False)
 
         self.model_dir, self.dtype_name, self.batch_size = model_dir, m["dtype"], m["batch_size"]
         self.chat, self.mc_num, self.truncate = m["chat"], m["mc_num"], m["truncate"]

@@ -27,6 +27,7 @@ pytest.importorskip("lm_eval")
 import torch  # noqa: E402
 
 from engine import DecodeConfig, Decoder, DraftGraph, InputError  # noqa: E402
+from engine import generate as engine_generate  # noqa: E402
 from models import Tokenizer  # noqa: E402
 
 from bench import lm_eval as adapter  # noqa: E402
@@ -170,13 +171,14 @@ def test_cut_at_stop():
 
 # ---------------------------------------------------------------------- generate_until
 def _engine_texts(prompts: list[str], **options):
-    """What the adapter must produce: engine.Decoder on each prompt alone, gen_length = max_gen_toks
-    rounded up to the block, the text of the first max_gen_toks tokens cut at the first stop."""
+    """What the adapter must produce: engine.generate on the prompts (one batch, in order; the
+    adapter batches by length, batch_size at a time: a sequence's tokens do not depend on its
+    batch), gen_length = max_gen_toks rounded up to the block, the text of the first max_gen_toks
+    tokens cut at the first stop sequence."""
     tok = Tokenizer(MODEL)
     lm = PsdLM(**options)          # the shipped model, loaded as the adapter does
     G = math.ceil(MAX_GEN_TOKS / options["block_length"]) * options["block_length"]
-    cfg = DecodeConfig(**{k: v for k, v in options.items() if k not in ("batch_size",)}, gen_length=G).validate()
-    results = [Decoder(lm.model, cfg).generate([tok.encode(p)])[0] for p in prompts]
+    results = engine_generate(lm.model, [tok.encode(p) for p in prompts], **options, gen_length=G)
     raw = [tok.decode(r.token_ids[:MAX_GEN_TOKS]) for r in results]
     return results, raw, [cut_at_stop(t, UNTIL) for t in raw]
 
@@ -324,7 +326,7 @@ def test_is_greedy_and_rolling():
 
 
 # ---------------------------------------------------------------------- the CLI
-def _cli(args, tmp_path):
+def _cli(args, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "bench.lm_eval", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -341,7 +343,12 @@ def test_cli_runs_lm_evals_own_entry(tasks_dir, tmp_path):
     stats = json.loads(results.read_text(encoding="utf-8"))["config"]["psd"]["stats"][TASK]["generate_until"]
     assert stats["requests"] == 2 and stats["tpf"] > 1
 
-    bad = _cli(["--model", "psd", "--model_args", "method=psd,bogus=3", "--tasks", TASK,
-                "--include_path", str(tasks_dir)], tmp_path)
-    assert bad.returncode == 2 and "error: unknown model_arg 'bogus'" in bad.stderr
-    assert "Traceback" not in bad.stderr
+
+
+def test_cli_bad_model_args_exit_2(tasks_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", sys.argv[:])        # main() hands its argv to lm-eval through sys.argv
+    rc = adapter.main(["--model", "psd", "--model_args", "method=psd,bogus=3", "--tasks", TASK,
+                       "--include_path", str(tasks_dir)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: unknown model_arg 'bogus' for the psd model; valid: " in err
+    assert "Traceback" not in err
