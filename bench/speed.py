@@ -33,7 +33,6 @@ from __future__ import annotations
 import csv
 import datetime
 import json
-import os
 import re
 import shlex
 import statistics
@@ -283,7 +282,7 @@ def fit_length(prompts: list[list[int]], length: int | None) -> list[list[int]]:
         return prompts
     pool = [t for p in prompts for t in p]
     out = []
-    for i, p in enumerate(prompts):
+    for p in prompts:
         ctx = pool * (length // max(len(pool), 1) + 1)
         out.append((ctx + p)[-length:] if len(p) < length else p[-length:])
     return out
@@ -307,7 +306,7 @@ def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen
             for e in plan}
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     labels = [e["label"] for e in plan]
-    for label in labels[:] if warmup else ():
+    for label in labels if warmup else ():
         decs[label].generate(batches[0])            # first-call allocations, kernel compilation
     runs: dict[str, list[dict]] = {lab: [] for lab in labels}
     for r in range(repeats):
