@@ -13,7 +13,7 @@ import types
 
 from .cache import CACHE_MODES
 from .config import DecodeConfig
-from .errors import InputError
+from .errors import DecodingError, InputError
 from .graph import DraftGraph
 from .loop import Decoder, generate
 from .methods import METHODS, Method, register
@@ -35,6 +35,6 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "OPTIONS", "Confidence", "DecodeConfig", "Decoder", "DraftGraph",
+__all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "OPTIONS", "Confidence", "DecodeConfig", "Decoder", "DecodingError", "DraftGraph",
            "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "SequenceResult", "StreamUpdate", "TopK", "aggregate",
            "generate", "register"]

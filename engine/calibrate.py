@@ -14,6 +14,7 @@ relation so every node is reachable, and written as a graph file.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -83,10 +84,20 @@ def _read_prompts(path: str, tok) -> list[list[int]]:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot read prompts file {path}: {e.strerror}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read prompts file {path}: {getattr(e, 'strerror', None) or e}") from None
     if p.suffix == ".jsonl":
-        lines = [json.loads(l)["prompt"] for l in text.splitlines() if l.strip()]
+        lines = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise InputError(f"{path}:{n}: not valid JSON ({e})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not rec["prompt"].strip():
+                raise InputError(f"{path}:{n}: expected an object with a non-empty string field 'prompt'")
+            lines.append(rec["prompt"])
     else:
         lines = [l.replace("\\n", "\n") for l in text.splitlines() if l.strip()]
     if not lines:
@@ -109,7 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--prompts", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="graph JSON file to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     return guarded(_run, p.parse_args(argv))
 
@@ -123,6 +135,14 @@ def _run(args) -> int:
     cfg = DecodeConfig(method=args.policy, **options).validate()
     if args.depth < 1:
         raise InputError(f"--depth must be >= 1, got {args.depth}")
+    if args.nodes < 1:
+        raise InputError(f"--nodes must be >= 1, got {args.nodes}")
+    out = Path(args.out)                          # checked before any decoding
+    if out.is_dir() or (out.exists() and not args.overwrite):
+        raise InputError(f"--out {out} exists; pass --overwrite to replace it" if not out.is_dir()
+                         else f"--out {out} is a directory; give a file path")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise InputError(f"--out {out}: its directory does not exist or is not writable")
     tok = Tokenizer(args.model)
     prompts = _read_prompts(args.prompts, tok)
     model = load_model(args.model, dtype=args.dtype)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer
 
 from .config import DecodeConfig
-from .errors import InputError
+from .errors import DecodingError, InputError
 from .graph import DraftGraph
 from .methods import METHODS, methods_taking, policy_methods
 from .options import OPTIONS, join
@@ -66,11 +67,14 @@ def guarded(run, *args, errors: tuple = ()) -> int:
     `error:` line on stderr and exit status 2."""
     try:
         return run(*args)
-    except (InputError, CheckpointError) + errors as e:
+    except (InputError, CheckpointError, DecodingError) + errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:             # the reader went away (`| head`): no traceback, no more output
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,10 +106,14 @@ def _read_prompt(args) -> str:
                 raise InputError("no prompt given (pass PROMPT, '-' for stdin, or --prompt-file)")
             text = sample.read_text(encoding="utf-8")
             print(f"prompt (the model's sample question): {text!r}", file=sys.stderr)
+            args.sample_answer = Path(args.model) / "sample_answer.txt"
             return text
         return args.prompt
     if src == "-":
-        return sys.stdin.read()
+        try:
+            return sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     try:
         return Path(src).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -117,12 +125,17 @@ def _device(name: str):
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device {name} requested but CUDA is not available")
     try:
-        return str(torch.device(name))
+        dev = torch.device(name)
     except RuntimeError:
-        raise InputError(f"unknown device {name!r}") from None
+        raise InputError(f"unknown device {name!r}; expected cpu, cuda, cuda:N or auto") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device {name!r} is not supported; expected cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {name} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InputError(f"device {name} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return str(dev)
 
 
 def _generation_defaults(model_dir: Path) -> dict:
@@ -157,6 +170,10 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     text = _read_prompt(args)
     if not text.strip():
         raise InputError("the prompt is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:          # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise InputError("the prompt is not valid UTF-8") from None
     if args.chat:
         text = tok.apply_chat_template(text)
     from .loop import Decoder, check_prompts
@@ -193,6 +210,20 @@ def _stream_text(decoder, tok, ids, on_text):
     return update.results[0]
 
 
+def _explain(args, out: dict) -> None:
+    """For a person at a terminal (stderr, so scripts reading stdout see nothing new): the
+    reference answer of the sample question, what the statistics mean, and what to try next."""
+    answer = getattr(args, "sample_answer", None)
+    if answer is not None and answer.is_file():
+        print(f"reference answer: {answer.read_text(encoding='utf-8').strip()}", file=sys.stderr)
+    if not out["text"].strip():
+        print("note: the model generated no text; the shipped demo model only knows its math/code suite "
+              "formats ('Question: ...\\nAnswer: '), see README", file=sys.stderr)
+    print("tokens = generated tokens, calls = model calls, tpf = tokens per call (higher: fewer calls), "
+          "rows/call = canvases per call (drafts verified together); try --method psd --policy confidence "
+          "--depth 3, or --method confidence --threshold 0.9", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     return guarded(_main, args)
@@ -210,6 +241,8 @@ def _main(args) -> int:
         print(f"[{out['policy']} cache={out['cache']}] tokens={out['tokens']} calls={out['calls']} "
               f"tpf={out['tpf']:.2f} rows/call={out['rows_per_call']:.2f} seconds={out['seconds']:.2f}"
               f"{' (stopped at EOS)' if out['stopped'] else ''}")
+        _explain(args, out)
+    sys.stdout.flush()              # a closed pipe fails here, inside guarded, not at exit
     return 0
 
 

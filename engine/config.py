@@ -6,6 +6,8 @@ entry in engine/methods.py. Nothing here names a method.
 """
 from __future__ import annotations
 
+import operator
+
 from .errors import InputError
 from .graph import DraftGraph
 from .methods import METHODS, Method
@@ -55,6 +57,10 @@ class DecodeConfig:
                                  f"not to {self.method}")
         if self.graph is not None and "depth" in self.given:
             raise InputError("give a draft graph or a depth, not both (the graph fixes the depth)")
+        top = max((r for s in self.draft_graph().nodes for r in s), default=-1)
+        if top >= self.block_length * self.window_blocks:
+            raise InputError(f"the draft graph names rank {top}, but a step ranks at most "
+                             f"{self.block_length * self.window_blocks} positions (the block length)")
         if self.gen_length % self.block_length:
             raise InputError(f"gen length {self.gen_length} is not a multiple of the block length {self.block_length}")
         self.spec.policy_class(self).check(self)
@@ -102,7 +108,12 @@ def check_prompts(mc, dc: DecodeConfig, prompts) -> list[list[int]]:
         raise InputError("prompts must be a non-empty list of token-id lists")
     out = []
     for n, p in enumerate(prompts):
-        ids = [int(t) for t in p]
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+            raise InputError(f"prompt {n} is not a list of token ids")
+        try:     # operator.index: ints (and integer numpy/torch scalars), never floats or bools
+            ids = [operator.index(t) for t in p if not isinstance(t, bool) or _no_bool(n)]
+        except TypeError:
+            raise InputError(f"prompt {n} holds a token id that is not an integer") from None
         if not ids:
             raise InputError(f"prompt {n} is empty")
         if any(not 0 <= t < mc.vocab_size for t in ids):
@@ -114,3 +125,7 @@ def check_prompts(mc, dc: DecodeConfig, prompts) -> list[list[int]]:
                              f"the model's maximum length {mc.max_length}")
         out.append(ids)
     return out
+
+
+def _no_bool(n: int):
+    raise InputError(f"prompt {n} holds a bool where a token id belongs")

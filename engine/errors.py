@@ -3,3 +3,7 @@
 
 class InputError(ValueError):
     """Bad decoding arguments or prompt (the message names the problem)."""
+
+
+class DecodingError(RuntimeError):
+    """Decoding cannot go on: the model's output is unusable (NaN/Inf) or a step committed nothing."""

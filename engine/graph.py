@@ -14,8 +14,16 @@ import torch
 from .errors import InputError
 
 
+MAX_NODES = 256      # every node is a row of each verification call; more is never a speedup
+
+
 class DraftGraph:
     def __init__(self, nodes):
+        if not isinstance(nodes, (list, tuple)):
+            raise InputError("a draft graph is a list of rank lists")
+        if len(nodes) > MAX_NODES:
+            raise InputError(f"draft graph has {len(nodes)} nodes; at most {MAX_NODES} are supported "
+                             f"(each node is a row of every verification call)")
         sets = []
         for n in nodes:
             if not isinstance(n, (list, tuple, set, frozenset)):

@@ -27,6 +27,7 @@ from models import Transformer, position_ids
 
 from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts
+from .progress import apply_stopping, guard_progress, raise_failure
 from .policies import rank_of
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results
 from .state import Batch, BlockRun
@@ -105,9 +106,12 @@ class Decoder:
                         batch.rows[seqs] + 1, torch.zeros(S, dtype=torch.long, device=dev),
                         torch.full((S,), -1, dtype=torch.long, device=dev), torch.ones(S, dtype=torch.bool, device=dev),
                         batch.commit_call[seqs, span], batch.commit_step[seqs, span],
-                        batch.commit_source[seqs, span], batch.depth_hist[seqs])
+                        batch.commit_source[seqs, span], batch.depth_hist[seqs],
+                        torch.zeros(S, dtype=torch.long, device=dev), torch.full((S,), -1, dtype=torch.long, device=dev))
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
+        if (run.failed > 0).any():                                           # one read per block
+            raise_failure(run)
         seqs, span = run.seqs, slice(run.gen_start, run.gen_start + run.win.width)
         batch.x[seqs] = run.x
         batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls, run.rows, run.stop_at
@@ -115,37 +119,20 @@ class Decoder:
         batch.commit_source[seqs, span] = run.commit_source
         batch.depth_hist[seqs] = run.depth_hist
 
-    # ------------------------------------------------------------------ stopping (§5), written once
-    def _stopped(self, blk, masked):
-        """(stopped [R] bool, first stop position in the window [R])."""
-        W = blk.shape[1]
-        idx = torch.arange(W, device=blk.device)
-        is_stop = torch.isin(blk, self.stop_ids) & ~masked
-        first = torch.where(is_stop, idx, W).min(-1).values
-        masked_before = (masked & (idx < first[:, None])).any(-1)
-        return (first < W) & ~masked_before, first
-
-    def _apply_stopping(self, run: BlockRun, rows=slice(None)) -> torch.Tensor:
-        """A row stops at a committed stop token with nothing masked before it, and stays pending
-        while its block has masked positions. Returns the rows' masks [R, W]."""
-        masked = run.block(rows) == self.mc.mask_token_id
-        stopped, first = self._stopped(run.block(rows), masked)
-        stopped &= run.pending[rows]
-        run.stop_at[rows] = torch.where(stopped, run.gen_start + first, run.stop_at[rows])
-        run.pending[rows] = run.pending[rows] & ~stopped & masked[:, :run.win.block_length].any(-1)
-        return masked
-
     # ------------------------------------------------------------------ the three stages
     def _commit(self, run: BlockRun) -> torch.Tensor:
         """Stage 1: the policy commits on the latest verifier output; returns the masks [S, W]."""
         blk = run.block()
         masked = blk == self.mc.mask_token_id
+        was_pending = run.pending.clone()
         commit = self.policy.select(run.conf, masked, run.step) & run.pending[:, None]
         run.x[:, run.win.lo:run.win.hi] = torch.where(commit, run.pred, blk)
         run.commit_call = torch.where(commit, run.calls[:, None], run.commit_call)
         run.commit_step = torch.where(commit, run.step[:, None], run.commit_step)
         run.step = run.step + run.pending.long()
-        return self._apply_stopping(run)
+        masked_after = apply_stopping(run, self.stop_ids, self.mc.mask_token_id)
+        guard_progress(run, was_pending, masked, masked_after)
+        return masked_after
 
     def _draft(self, run: BlockRun, act: torch.Tensor, masked: torch.Tensor):
         """Stage 2 for the active rows: drafts [A, K, W] (psd_kernels.assemble_drafts: ranks by
@@ -184,7 +171,7 @@ class Decoder:
         run.x[act, win.lo:win.hi] = drafts[ar, best]
         run.pred[act], run.conf[act], run.step[act] = vpred[ar, best], vconf[ar, best], best_step
         if K > 1:      # a kept draft changed s: apply the stopping rule again (§3)
-            self._apply_stopping(run, act)
+            apply_stopping(run, self.stop_ids, self.mc.mask_token_id, act)
 
     # ------------------------------------------------------------------ the loop
     def _decode(self, batch: Batch):

@@ -48,6 +48,8 @@ class BlockRun:
     commit_step: torch.Tensor
     commit_source: torch.Tensor
     depth_hist: torch.Tensor       # [S, D + 1]
+    failed: torch.Tensor           # [S] 0, or why the row stopped making progress (see Decoder._guard)
+    failed_call: torch.Tensor      # [S] the call whose output it could not use, -1 while none
 
     @property
     def gen_start(self) -> int:

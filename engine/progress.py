@@ -1,0 +1,55 @@
+"""The stopping rule (docs/algorithms.md §5), written once, and the progress guard that makes
+every decode end whatever the model outputs (§8)."""
+from __future__ import annotations
+
+import torch
+
+from .errors import DecodingError
+from .state import BlockRun
+
+NONFINITE, NO_PROGRESS = 1, 2
+
+
+def stopped_at(blk: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor):
+    """(stopped [R] bool, first stop position in the window [R]): a stop token is committed with
+    nothing masked before it."""
+    W = blk.shape[1]
+    idx = torch.arange(W, device=blk.device)
+    is_stop = torch.isin(blk, stop_ids) & ~masked
+    first = torch.where(is_stop, idx, W).min(-1).values
+    masked_before = (masked & (idx < first[:, None])).any(-1)
+    return (first < W) & ~masked_before, first
+
+
+def apply_stopping(run: BlockRun, stop_ids: torch.Tensor, mask_id: int, rows=slice(None)) -> torch.Tensor:
+    """A row stops at a committed stop token with nothing masked before it, and stays pending
+    while its block has masked positions. Returns the rows' masks [R, W]."""
+    blk = run.block(rows)
+    masked = blk == mask_id
+    stopped, first = stopped_at(blk, masked, stop_ids)
+    stopped &= run.pending[rows]
+    run.stop_at[rows] = torch.where(stopped, run.gen_start + first, run.stop_at[rows])
+    run.pending[rows] = run.pending[rows] & ~stopped & masked[:, :run.win.block_length].any(-1)
+    return masked
+
+
+def guard_progress(run: BlockRun, was_pending, masked_before, masked_after) -> None:
+    """A row whose latest output holds NaN/Inf, or whose step committed nothing, stops here and
+    fails the run when its block closes (no extra host read per step)."""
+    finite = torch.isfinite(run.conf).all(-1)
+    why = torch.where(was_pending & ~finite, NONFINITE,
+                      torch.where(was_pending & (masked_before == masked_after).all(-1), NO_PROGRESS, 0))
+    new = (why > 0) & (run.failed == 0)
+    run.failed = torch.where(new, why, run.failed)
+    run.failed_call = torch.where(new, run.calls, run.failed_call)
+    run.pending &= run.failed == 0
+
+
+def raise_failure(run: BlockRun):
+    row = int((run.failed > 0).nonzero()[0, 0])
+    seq, call, why = int(run.seqs[row]), int(run.failed_call[row]), int(run.failed[row])
+    if why == NONFINITE:
+        raise DecodingError(f"the model's output at call {call} of sequence {seq} (block {run.index}) holds "
+                            f"NaN/Inf; its weights or inputs are unusable")
+    raise DecodingError(f"decoding made no progress at call {call} of sequence {seq} (block {run.index}): "
+                        f"the policy committed no token (the model predicted only the mask token)")

@@ -1,0 +1,122 @@
+"""Nothing hangs, nothing lies: hostile and careless input to the CLI and the API ends quickly
+with one `error:` line and exit status 2 (or a typed exception), never a traceback or a hang."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import DecodeConfig, Decoder, DecodingError, DraftGraph, InputError, generate
+from models import load_model
+from models.random_checkpoint import make_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("hostile") / "llada", "llada", seed=1, eos_bias=8.0)
+    return path
+
+
+def cli(args, ckpt=None, stdin=None, timeout=120):
+    argv = [sys.executable, "-m", "engine.generate"] + [a if isinstance(a, bytes) else str(a) for a in args]
+    if ckpt is not None:
+        argv += ["--model", str(ckpt)]
+    return subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, input=stdin, timeout=timeout)
+
+
+def one_error_line(res, msg):
+    err = res.stderr.decode("utf-8", "replace")
+    assert res.returncode == 2, err
+    assert "Traceback" not in err and res.stdout == b""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], err
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["t5", "--method", "confidence", "--temperature", "inf"], "temperature must be finite"),
+    (["t5", "--temperature", "nan"], "temperature must be finite"),
+    (["t5", "--gen-length", "0"], "gen length must be >= 1"),
+    (["t5", "--block-length", "0"], "block length must be >= 1"),
+    (["t5", "--method", "confidence", "--steps", "8"], "steps applies to topk and psd, not to confidence"),
+    (["t5", "--method", "greedy", "--threshold", "0.5"], "threshold applies to"),
+    (["t5", "--method", "greedy", "--depth", "2"], "draft depth applies to spiffy and psd, not to greedy"),
+    (["t5", "--method", "greedy", "--acceptance", "exact"], "acceptance mode applies to psd"),
+    (["t5", "--seed", str(2 ** 64)], "seed must be in"),
+    (["t5", "--seed", "-1"], "seed must be in"),
+    (["t5", "--device", "tpu"], "device"),
+    (["t5", "--device", "meta"], "is not supported"),
+    (["t5", "--device", "cuda:7"], "CUDA"),
+    (["t5", "--gen-length", "abc"], "invalid int value"),
+    ([b"t5 \xff\xfe"], "not valid UTF-8"),
+])
+def test_bad_flags(ckpt, args, msg):
+    one_error_line(cli(args, ckpt), msg)
+
+
+def test_graph_files(ckpt, tmp_path):
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps([[]] + [[i % 32, 32 + i] for i in range(5000)]))
+    res = cli(["t5", "--method", "psd", "--graph", huge], ckpt, timeout=60)
+    one_error_line(res, "at most 256 are supported")
+    far = tmp_path / "far.json"
+    far.write_text(json.dumps([[], [0], [0, 40]]))
+    one_error_line(cli(["t5", "--method", "spiffy", "--graph", far, "--block-length", "32", "--gen-length", "32"], ckpt),
+                   "names rank 40")
+    chain = tmp_path / "chain.json"
+    chain.write_text(json.dumps([[], [0]]))
+    one_error_line(cli(["t5", "--method", "psd", "--graph", chain, "--depth", "2"], ckpt), "not both")
+    one_error_line(cli(["t5", "--method", "greedy", "--graph", chain], ckpt), "a draft graph applies to spiffy and psd")
+
+
+def test_stdin_not_utf8(ckpt):
+    one_error_line(cli(["-"], ckpt, stdin=b"Question: \xff\xfe"), "not valid UTF-8")
+
+
+def test_broken_pipe_is_quiet(ckpt):
+    cmd = f"{sys.executable} -m engine.generate 't5 t6' --model {ckpt} --gen-length 32 --block-length 8 | head -c 1"
+    res = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=ENV, capture_output=True, timeout=120)
+    assert "Traceback" not in res.stderr.decode() and "BrokenPipe" not in res.stderr.decode()
+
+
+def test_api_prompt_ids_must_be_integers(ckpt):
+    model = load_model(ckpt)
+    for bad, msg in (([[5.0, 6.7]], "not an integer"), ([[True, 5]], "bool"), (["abc"], "not a list of token ids"),
+                     ([[5, None]], "not an integer")):
+        with pytest.raises(InputError, match=msg):
+            generate(model, bad, gen_length=8, block_length=8)
+    ok = generate(model, [[torch.tensor(5), 6]], gen_length=8, block_length=8)
+    assert ok[0].tokens >= 1
+
+
+@pytest.mark.parametrize("method", ["greedy", "confidence", "psd"])
+def test_nonfinite_outputs_stop_with_an_error_naming_the_call(ckpt, method):
+    model = load_model(ckpt)
+    with torch.no_grad():      # poisoned after load, so the load-time weight check cannot catch it
+        next(p for n, p in model.named_parameters() if n.endswith("attn.wq.weight")).view(-1)[0] = float("nan")
+    with pytest.raises(DecodingError, match=r"at call 1 of sequence 0 .*NaN/Inf"):
+        generate(model, [[5, 6, 7]], method=method, gen_length=16, block_length=8)
+
+
+def test_a_step_that_commits_nothing_cannot_hang(ckpt, monkeypatch):
+    """If the predictions were ever the mask token, the loop would spin; it stops with an error."""
+    import psd_kernels
+
+    model = load_model(ckpt)
+    real = psd_kernels.top1
+    mask = model.config.mask_token_id
+
+    def mask_only(logits, exclude_id=None, *a, **k):
+        ids, conf = real(logits, exclude_id, *a, **k)
+        return torch.full_like(ids, mask), conf
+
+    monkeypatch.setattr(psd_kernels, "top1", mask_only)
+    with pytest.raises(DecodingError, match="made no progress at call 1"):
+        generate(model, [[5, 6, 7], [8, 9]], method="confidence", gen_length=16, block_length=8)
