@@ -8,7 +8,7 @@ caller asks for, because the engine needs predictions for one block, not the who
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +56,20 @@ class KVCache:
               (the cache is query-independent: pads and invisible suffix positions are False)
     row_map:  [R] int64 or None; the cache row serving each of the R rows of a call (drafts of
               one sequence share one cache row); None means row r uses cache row r.
+    plan:     the `psd_kernels.RowPlan` of row_map, made once per call when the cache is bound
+              to the call's rows (not per layer); every layer's attention reads it.
     """
 
     layers: list
     key_mask: torch.Tensor
     row_map: torch.Tensor | None = None
+    plan: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.row_map is not None and self.plan is None:
+            import psd_kernels
+
+            self.plan = psd_kernels.plan_rows(self.row_map, self.key_mask.shape[0])
 
     @property
     def length(self) -> int:
@@ -74,10 +83,11 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
     """Attention of q [R, H, T, D] over own keys [R, Hkv, T, D] (mask [R, 1, T, T]) and cached keys.
 
     Without a row map each row has its own cache row: one SDPA over cache + own keys. With a row
-    map (drafts sharing a sequence's cache), the rows of each cache row go through
-    `psd_kernels.shared_prefix_attention` against ONE copy of that cache, so a K-draft call never
-    materialises K copies of it; `all_own` says every query may see every own key (bidirectional
-    models), else the kernel applies the own-block mask too (`own_mask`).
+    map (drafts sharing a sequence's cache), ONE `psd_kernels.shared_prefix_attention` call per
+    layer serves every row against ONE copy of its cache row (the call's `RowPlan`, made once per
+    call, says which), so a K-draft call never materialises K copies of a cache row and never
+    reads anything back to the host; `all_own` says every query may see every own key
+    (bidirectional models), else the kernel applies the own-block mask too (`own_mask`).
     """
     if cache_kv is None or cache.length == 0:
         return F.scaled_dot_product_attention(q, k_own, v_own, attn_mask=own_mask, enable_gqa=True)
@@ -91,18 +101,9 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     import psd_kernels
 
-    counts = torch.bincount(cache.row_map, minlength=k_c.shape[0]).tolist()    # rows are grouped by cache row
-    out = torch.empty_like(q)
-    start = 0
-    for c, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = slice(start, start + n)
-        om = None if all_own else (own_mask[rows, 0] if own_mask.shape[0] > 1 else own_mask[:, 0])
-        out[rows] = psd_kernels.shared_prefix_attention(q[rows], k_c[c], v_c[c], k_own[rows], v_own[rows],
-                                                        shared_mask=km[c], own_mask=om)[0]
-        start += n
-    return out
+    om = None if all_own else own_mask[:, 0]          # [R or 1, T, T]
+    return psd_kernels.shared_prefix_attention(q, k_c, v_c, k_own, v_own, shared_mask=km, own_mask=om,
+                                               row_map=cache.plan)[0]
 
 
 class Attention(nn.Module):

@@ -10,7 +10,9 @@ kernel accumulates in float32; float64 is the parity switch of the engine).
     rank_positions(conf, masked, out=None)
     position_ranks(conf, masked, out=None)
     assemble_drafts(block, masked, pred, conf, node_ranks, out=None)
-    shared_prefix_attention(q, k_shared, v_shared, k_own, v_own, scale=None, shared_mask=None, out=None)
+    shared_prefix_attention(q, k_shared, v_shared, k_own, v_own, scale=None, shared_mask=None, out=None,
+                            *, own_mask=None, row_map=None)
+    plan_rows(row_map, cache_rows)                       (once per model call; row_map= of every layer)
     merge_attention(out_a, lse_a, out_b, lse_b)          (plain torch, both backends)
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import torch
 
 from . import reference
-from .reference import merge_attention
+from .reference import RowPlan, merge_attention
 
 __all__ = [
     "BACKEND",
@@ -31,6 +33,8 @@ __all__ = [
     "assemble_drafts",
     "shared_prefix_attention",
     "merge_attention",
+    "plan_rows",
+    "RowPlan",
 ]
 
 _BACKENDS = ("triton", "reference")
@@ -86,10 +90,22 @@ def assemble_drafts(block, masked, pred, conf, node_ranks, out=None, *, backend=
 
 
 def shared_prefix_attention(
-    q, k_shared, v_shared, k_own, v_own, scale=None, shared_mask=None, out=None, *, own_mask=None, backend=None
+    q, k_shared, v_shared, k_own, v_own, scale=None, shared_mask=None, out=None, *, own_mask=None, row_map=None,
+    backend=None
 ):
     return _impl("shared_prefix_attention", backend)(q, k_shared, v_shared, k_own, v_own, scale, shared_mask, out,
-                                                     own_mask=own_mask)
+                                                     own_mask=own_mask, row_map=row_map)
+
+
+def plan_rows(row_map, cache_rows, *, backend=None):
+    """The ``RowPlan`` of one call's rows (``row_map`` int64 [R]) over ``cache_rows`` cache rows,
+    to pass as ``shared_prefix_attention(..., row_map=plan)`` in every layer of the call.
+    Computed on the device with no host read for the Triton backend; the reference backend's
+    padded layout reads one int (free on CPU). ``backend=``: as for the kernels."""
+    b = BACKEND if backend is None else backend
+    if b not in _BACKENDS:
+        raise ValueError(f"unknown psd_kernels backend {b!r}; expected one of {_BACKENDS}")
+    return reference.plan_rows(row_map, cache_rows, padded=b == "reference")
 
 
 for _f in (top1, rank_positions, position_ranks, assemble_drafts, shared_prefix_attention):

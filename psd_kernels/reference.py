@@ -9,6 +9,7 @@ keeps in registers. They never replicate the shared KV cache per draft.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,8 @@ __all__ = [
     "assemble_drafts",
     "shared_prefix_attention",
     "merge_attention",
+    "plan_rows",
+    "RowPlan",
 ]
 
 SCORES = ("prob", "margin", "entropy")
@@ -67,23 +70,27 @@ def top1(
                        (negative entropy). All math in float32 (float64 logits stay float64).
     ``exclude_id`` (the mask token) gets probability zero and is never chosen.
     ``out=(ids, conf)`` receives the results. NaN logits give unspecified results.
+
+    Torch path: ONE float copy of the logits (the cast, with the excluded column set to -inf),
+    max and argmax together in one pass (``torch.max``), then log-softmax IN PLACE into that
+    copy and one gather: one tensor of the logits' size is written, against three (cast, clone,
+    log-softmax) before. Fewer passes, same arithmetic: ids and confidences are bit-identical
+    to the cast/clone/log-softmax/argmax formulation.
     """
     check_top1_args(logits, exclude_id, score, temperature, noise)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    x = logits.to(acc)
+    x = logits.to(acc, copy=True)                      # our own copy: edited in place below
     if exclude_id is not None:
-        x = x.clone()  # .to() may have returned the caller's tensor
         x[..., exclude_id] = float("-inf")
-    logp = torch.log_softmax(x, dim=-1)
     if temperature > 0:
         ids = torch.argmax(x / temperature + noise.to(acc), dim=-1)
     else:
-        ids = torch.argmax(x, dim=-1)
+        ids = torch.max(x, dim=-1).indices             # first index on ties, like argmax
+    logp = torch.log_softmax(x, dim=-1, out=x)         # in place: x is not read again
     if score == "prob":
         conf = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).exp()
     elif score == "margin":
-        p = logp.exp()
-        top2 = torch.topk(p, min(2, p.shape[-1]), dim=-1).values
+        top2 = torch.topk(logp, min(2, logp.shape[-1]), dim=-1).values.exp()   # exp is monotone
         conf = top2[..., 0] - (top2[..., 1] if top2.shape[-1] > 1 else 0.0)
     else:
         p = logp.exp()
@@ -234,11 +241,76 @@ def assemble_drafts(
 # --------------------------------------------------------------------------------------------
 # shared-prefix (block-sparse) attention
 # --------------------------------------------------------------------------------------------
-def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask=None) -> tuple[int, ...]:
-    for name, t, nd in (("q", q, 4), ("k_shared", k_shared, 3), ("v_shared", v_shared, 3),
-                        ("k_own", k_own, 4), ("v_own", v_own, 4)):
-        if not isinstance(t, torch.Tensor) or t.dim() != nd:
-            raise ValueError(f"{name} must be a {nd}-D tensor")
+@dataclass(frozen=True, eq=False)
+class RowPlan:
+    """Layout of one call's rows over its cache rows, made once per call (``plan_rows``) and
+    read by every layer's ``shared_prefix_attention`` (the FlashInfer plan/run split).
+
+    row_map  int64 [R]: the cache row each query row reads.
+    order    int64 [R]: the rows sorted by cache row (stable); cache row c serves the rows
+             ``order[offsets[c]:offsets[c + 1]]``.
+    offsets  int64 [C + 1].
+    slots, max_rows: the reference's padded layout ([C, max_rows] row slots; row r sits in slot
+             ``slots[r]``; ``rect``: the rows already are that layout), or None when the plan was
+             made without it (the Triton kernel needs only order/offsets).
+    """
+
+    row_map: torch.Tensor
+    cache_rows: int
+    order: torch.Tensor
+    offsets: torch.Tensor
+    slots: torch.Tensor | None = None
+    max_rows: int | None = None
+    rect: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.row_map.shape[0]
+
+    def padded(self) -> "RowPlan":
+        """This plan with the reference's padded layout (one host read if it has none)."""
+        return self if self.slots is not None else plan_rows(self.row_map, self.cache_rows, padded=True)
+
+
+def plan_rows(row_map: torch.Tensor, cache_rows: int, *, padded: bool = True) -> RowPlan:
+    """Plan the rows of one call over ``cache_rows`` cache rows (``row_map`` int64 [R]).
+
+    Device ops only (a stable sort and a searchsorted), except with ``padded``: the reference's
+    padded layout needs the largest number of rows of one cache row as a Python int, ONE host
+    read per plan (free on CPU, where the reference runs), which also checks that every entry
+    of ``row_map`` names a cache row. Without it, entries outside ``[0, C)`` leave their rows'
+    output unwritten (the kernel cannot check without a sync).
+    """
+    if not isinstance(row_map, torch.Tensor) or row_map.dim() != 1 or row_map.dtype != torch.int64:
+        raise ValueError("row_map must be a 1-D int64 tensor [R] of cache rows")
+    if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 1:
+        raise ValueError(f"cache_rows must be a positive int, got {cache_rows!r}")
+    dev, R = row_map.device, row_map.shape[0]
+    sorted_map, order = torch.sort(row_map, stable=True)
+    offsets = torch.searchsorted(sorted_map, torch.arange(cache_rows + 1, device=dev))
+    if not padded:
+        return RowPlan(row_map, cache_rows, order, offsets)
+    if R == 0:
+        return RowPlan(row_map, cache_rows, order, offsets, order, 0, True)
+    counts = offsets[1:] - offsets[:-1]
+    n = counts.max()
+    # one read: the padding width, the range of the map, whether the rows already are [C, n]
+    rect = (counts == n).all() & (sorted_map == row_map).all()
+    n, lo, hi, rect = torch.stack((n, row_map.min(), row_map.max(), rect.long())).tolist()
+    if lo < 0 or hi >= cache_rows:
+        raise ValueError(f"row_map names cache rows {lo}..{hi}, but there are {cache_rows}")
+    rank = torch.arange(R, device=dev) - offsets[sorted_map]        # place of each sorted row in its group
+    slots = torch.empty_like(order).index_copy_(0, order, sorted_map * n + rank)
+    return RowPlan(row_map, cache_rows, order, offsets, slots, n, bool(rect))
+
+
+def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask=None,
+                         row_map=None) -> tuple[int, ...]:
+    """Validates a call (no host read); returns (R, H, L, D, Hkv, S, C)."""
+    for name, t, nd in (("q", q, (4,)), ("k_shared", k_shared, (3, 4)), ("v_shared", v_shared, (3, 4)),
+                        ("k_own", k_own, (4,)), ("v_own", v_own, (4,))):
+        if not isinstance(t, torch.Tensor) or t.dim() not in nd:
+            raise ValueError(f"{name} must be a {' or '.join(map(str, nd))}-D tensor")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got {t.dtype}")
         if t.dtype != q.dtype:
@@ -246,21 +318,22 @@ def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_m
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     K, H, L, D = q.shape
-    Hkv, S, Dk = k_shared.shape
+    C, Hkv, S, Dk = k_shared.shape if k_shared.dim() == 4 else (1, *k_shared.shape)
     if Hkv < 1 or H % Hkv != 0:
         raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv}")
     if Dk != D:
         raise ValueError(f"k_shared head dim {Dk} differs from q head dim {D}")
-    if tuple(v_shared.shape) != (Hkv, S, D):
-        raise ValueError(f"v_shared has shape {tuple(v_shared.shape)}, expected {(Hkv, S, D)}")
+    if tuple(v_shared.shape) != tuple(k_shared.shape):
+        raise ValueError(f"v_shared has shape {tuple(v_shared.shape)}, expected {tuple(k_shared.shape)}")
     for name, t in (("k_own", k_own), ("v_own", v_own)):
         if tuple(t.shape) != (K, Hkv, L, D):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {(K, Hkv, L, D)}")
     if shared_mask is not None:
         if not isinstance(shared_mask, torch.Tensor) or shared_mask.dtype != torch.bool:
             raise ValueError("shared_mask must be a bool tensor")
-        if tuple(shared_mask.shape) != (S,):
-            raise ValueError(f"shared_mask has shape {tuple(shared_mask.shape)}, expected ({S},)")
+        if tuple(shared_mask.shape) not in ((S,), (C, S)):
+            want = f"({S},)" + (f" or ({C}, {S})" if k_shared.dim() == 4 else "")
+            raise ValueError(f"shared_mask has shape {tuple(shared_mask.shape)}, expected {want}")
         if shared_mask.device != q.device:
             raise ValueError("shared_mask must be on the device of q")
     if own_mask is not None:
@@ -270,11 +343,23 @@ def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_m
             raise ValueError(f"own_mask has shape {tuple(own_mask.shape)}, expected ({K} or 1, {L}, {L})")
         if own_mask.device != q.device:
             raise ValueError("own_mask must be on the device of q")
-    return K, H, L, D, Hkv, S
+    if row_map is None:
+        if C != 1:
+            raise ValueError(f"k_shared holds {C} cache rows: give row_map (the cache row of each of the {K} rows)")
+    else:
+        rm = row_map.row_map if isinstance(row_map, RowPlan) else row_map
+        if not isinstance(rm, torch.Tensor) or rm.dtype != torch.int64 or tuple(rm.shape) != (K,):
+            raise ValueError(f"row_map must be an int64 tensor of shape ({K},) or a RowPlan of {K} rows")
+        if rm.device != q.device:
+            raise ValueError("row_map must be on the device of q")
+        if isinstance(row_map, RowPlan) and row_map.cache_rows != C:
+            raise ValueError(f"the RowPlan was made for {row_map.cache_rows} cache rows, k_shared has {C}")
+    return K, H, L, D, Hkv, S, C
 
 
 def _attend(q, k, v, scale, key_mask=None):
-    """Softmax attention in float32 returning (out, lse); rows with no visible key give (0, -inf)."""
+    """Softmax attention with materialised scores, returning (out, lse) in q's dtype; rows with
+    no visible key give (0, -inf). The reference's fallback off CPU, and the test oracle's form."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if key_mask is not None:
         s = s.masked_fill(~key_mask, float("-inf"))
@@ -283,6 +368,40 @@ def _attend(q, k, v, scale, key_mask=None):
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - safe[..., None])
     return torch.matmul(p, v), lse
+
+
+# CPU: the fused flash-attention kernel behind SDPA, which also returns the log-sum-exp.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+USE_FLASH_CPU = _FLASH_CPU is not None      # tests switch it off to cover the fallback
+
+
+def _attend_lse(q, k, v, scale, key_mask):
+    """(out in q's dtype, lse float32/float64) of q [B, h, M, D] over k, v [B, h, N, D];
+    key_mask bool broadcastable to [B, 1, M, N] or None. A row that sees no key: (0, -inf)."""
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        out = q.new_zeros(q.shape)
+        return out, torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    if USE_FLASH_CPU and q.device.type == "cpu":
+        bias = None
+        if key_mask is not None:
+            bias = torch.zeros(key_mask.shape, dtype=q.dtype).masked_fill_(~key_mask, float("-inf"))
+        out, lse = _FLASH_CPU(q, k, v, attn_mask=bias, scale=scale)
+        if key_mask is not None:   # the kernel gives (0, 0) to a row that sees nothing
+            lse = lse.masked_fill(~key_mask.any(-1).expand(lse.shape), float("-inf"))
+        return out, lse
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out, lse = _attend(q.to(acc), k.to(acc), v.to(acc), scale, key_mask)
+    return out.to(q.dtype), lse
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """merge_attention in the wider of float32 and the inputs' dtype (float64 stays float64)."""
+    acc = torch.float64 if out_a.dtype == torch.float64 else torch.float32
+    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = out_a.to(acc) * torch.exp(lse_a - safe)[..., None] + out_b.to(acc) * torch.exp(lse_b - safe)[..., None]
+    return out, lse
 
 
 def merge_attention(
@@ -315,40 +434,69 @@ def shared_prefix_attention(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     own_mask: torch.Tensor | None = None,
+    row_map: torch.Tensor | RowPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of K draft blocks over ONE shared KV cache plus each draft's own block.
+    """Attention of R query rows (draft blocks) over shared cache rows plus each row's own block.
 
-    q [K, H, L, D]; k_shared, v_shared [Hkv, S, D] (the cached prefix and suffix, stored once);
-    k_own, v_own [K, Hkv, L, D]; H a multiple of Hkv (GQA); S may be 0. Draft k's queries see
-    all S shared keys (those with ``shared_mask`` [S] True, when given) and the L keys of
-    draft k, never another draft's. ``scale`` defaults to 1/sqrt(D).
-    ``own_mask`` bool [K or 1, L, L], when given, restricts the own part: query i of draft k sees
-    own key j iff ``own_mask[k, i, j]`` (e.g. a causal block); a query that then sees no key at
-    all gets out 0 and lse -inf.
-    Returns ``out`` [K, H, L, D] in q's dtype and ``lse`` float32 [K, H, L], the natural
+    q [R, H, L, D]; k_own, v_own [R, Hkv, L, D]; H a multiple of Hkv (GQA).
+    k_shared, v_shared: ``[Hkv, S, D]`` (one cache, read by every row) or ``[C, Hkv, S, D]``
+    (C cache rows, e.g. the cached prefix and suffix of each sequence of a batch, stored once
+    each); S may be 0. ``row_map`` int64 [R] (or the ``RowPlan`` of ``plan_rows(row_map, C)``,
+    made once per model call and shared by its layers) names the cache row of each query row;
+    the K drafts of one sequence share their sequence's cache row. None means cache row 0 for
+    every row (C must be 1).
+    Row r's queries see the S keys of its cache row c (those with ``shared_mask[c]`` True; a
+    ``[S]`` mask applies to every cache row) and the L own keys of row r, never another row's.
+    ``own_mask`` bool [R or 1, L, L], when given, restricts the own part: query i of row r sees
+    own key j iff ``own_mask[r, i, j]`` (e.g. a causal block); a query that then sees no key at
+    all gets out 0 and lse -inf. ``scale`` defaults to 1/sqrt(D).
+    Returns ``out`` [R, H, L, D] in q's dtype and ``lse`` float32 [R, H, L], the natural
     log-sum-exp of the scaled scores. ``out=(out, lse)`` receives the results.
+
+    The cache is never replicated per row. This torch version is the CPU path: on CPU the
+    shared part is one fused SDPA call (the flash kernel behind ``scaled_dot_product_attention``,
+    which returns the log-sum-exp) of every cache row's rows against that cache row, the own
+    part a second one, merged by log-sum-exp. A ``RowPlan`` given here that lacks the padded
+    layout costs one host read (``RowPlan.padded``).
     """
-    K, H, L, D, Hkv, S = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask)
+    R, H, L, D, Hkv, S, C = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask,
+                                                 row_map)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     G = H // Hkv
-    qf = q.float()
-    # Shared part: one matmul per kv head over all K*G*L queries against the single cache copy.
-    # [K, H, L, D] -> [K, Hkv, G, L, D] -> [Hkv, K, G, L, D] -> [Hkv, K*G*L, D]
-    q_sh = qf.reshape(K, Hkv, G, L, D).permute(1, 0, 2, 3, 4).reshape(Hkv, K * G * L, D)
-    o_sh, lse_sh = _attend(q_sh, k_shared.float(), v_shared.float(), scale,
-                           None if shared_mask is None else shared_mask[None, None, :])
-    # [Hkv, K*G*L, D] -> [Hkv, K, G, L, D] -> [K, Hkv, G, L, D] -> [K, H, L, D]
-    o_sh = o_sh.view(Hkv, K, G, L, D).permute(1, 0, 2, 3, 4).reshape(K, H, L, D)
-    lse_sh = lse_sh.view(Hkv, K, G, L).permute(1, 0, 2, 3).reshape(K, H, L)
-    # Own part: draft k's G*L queries of kv head g against its own L keys.
-    q_own = qf.reshape(K, Hkv, G * L, D)
+    GL = G * L
+    ks = k_shared if k_shared.dim() == 4 else k_shared[None]
+    vs = v_shared if v_shared.dim() == 4 else v_shared[None]
+    # rows of kv head g: [R, H, L, D] -> [R, Hkv, G*L, D] (the G query heads of a group share its keys)
+    qg = q.reshape(R, Hkv, GL, D)
+
+    # Own part: row r's G*L queries of kv head g against its own L keys.
     om = None
-    if own_mask is not None:   # [K|1, L, L] -> [K|1, 1, G*L, L]: every head of a group shares the mask
-        om = own_mask[:, None, None].expand(own_mask.shape[0], 1, G, L, L).reshape(own_mask.shape[0], 1, G * L, L)
-    o_own, lse_own = _attend(q_own, k_own.float(), v_own.float(), scale, om)
-    o_own = o_own.view(K, H, L, D)
-    lse_own = lse_own.view(K, H, L)
-    o, lse = merge_attention(o_sh, lse_sh, o_own, lse_own)
+    if own_mask is not None:   # [R|1, L, L] -> [R|1, 1, G*L, L]: every head of a group shares the mask
+        om = own_mask[:, None, None].expand(own_mask.shape[0], 1, G, L, L).reshape(own_mask.shape[0], 1, GL, L)
+    o_own, lse_own = _attend_lse(qg, k_own, v_own, scale, om)
+
+    if S == 0 or R == 0:
+        o, lse = o_own.reshape(R, H, L, D), lse_own.float().reshape(R, H, L)
+    else:
+        # Shared part: the rows of each cache row as ONE query sequence per kv head against one copy
+        # of that cache row: [C, Hkv, n*G*L, D] with n rows per cache row (padded to the largest n).
+        if row_map is None:
+            plan = RowPlan(q.new_zeros(R, dtype=torch.int64), 1, None, None, None, R, True)
+        else:
+            plan = (row_map if isinstance(row_map, RowPlan) else plan_rows(row_map, C)).padded()
+        n = plan.max_rows
+        q_pad = qg if plan.rect else qg.new_zeros(C * n, Hkv, GL, D).index_copy_(0, plan.slots, qg)
+        q_sh = q_pad.reshape(C, n, Hkv, GL, D).transpose(1, 2).reshape(C, Hkv, n * GL, D)
+        km = None
+        if shared_mask is not None:
+            km = (shared_mask if shared_mask.dim() == 2 else shared_mask[None])[:, None, None, :]   # [C|1, 1, 1, S]
+        o_sh, lse_sh = _attend_lse(q_sh, ks, vs, scale, km)
+        o_sh = o_sh.view(C, Hkv, n, GL, D).transpose(1, 2).reshape(C * n, Hkv, GL, D)
+        lse_sh = lse_sh.view(C, Hkv, n, GL).transpose(1, 2).reshape(C * n, Hkv, GL)
+        if not plan.rect:
+            o_sh, lse_sh = o_sh.index_select(0, plan.slots), lse_sh.index_select(0, plan.slots)
+        o, lse = _merge(o_sh, lse_sh, o_own, lse_own)
+        o, lse = o.reshape(R, H, L, D), lse.float().reshape(R, H, L)
     o = o.to(q.dtype)
     if out is not None:
         out[0].copy_(o)

@@ -192,6 +192,147 @@ def test_strided_cache_views(device):
 
 
 # ------------------------------------------------------------------------------------------
+# several cache rows in one call: row_map / RowPlan
+# ------------------------------------------------------------------------------------------
+def make_rows(row_map, C, H, Hkv, L, S, D, dtype, gen, device):
+    R = len(row_map)
+
+    def r(*shape):
+        return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+    return (r(R, H, L, D), r(C, Hkv, S, D), r(C, Hkv, S, D), r(R, Hkv, L, D), r(R, Hkv, L, D),
+            torch.tensor(row_map, dtype=torch.int64, device=device))
+
+
+def naive_rows(q, ks, vs, ko, vo, row_map, scale=None, shared_mask=None, own_mask=None):
+    """fp64 attention of every row on its own: [its cache row's S keys | its L own keys]."""
+    q, ks, vs, ko, vo = (t.cpu().double() for t in (q, ks, vs, ko, vo))
+    R, H, L, D = q.shape
+    C, Hkv, S, _ = ks.shape
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    outs, lses = [], []
+    for r, c in enumerate(row_map.tolist()):
+        keys = torch.cat([ks[c], ko[r]], 1).repeat_interleave(H // Hkv, 0)       # [H, S+L, D]
+        vals = torch.cat([vs[c], vo[r]], 1).repeat_interleave(H // Hkv, 0)
+        sm = torch.ones(S, dtype=torch.bool) if shared_mask is None else shared_mask.cpu().expand(C, S)[c]
+        om = torch.ones(L, L, dtype=torch.bool) if own_mask is None else own_mask.cpu().expand(R, L, L)[r]
+        mask = torch.cat([sm.expand(L, S), om], 1)
+        s = (q[r] @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        lses.append(torch.logsumexp(s, -1))
+        outs.append(torch.softmax(s, -1).nan_to_num(0.0) @ vals)
+    return torch.stack(outs), torch.stack(lses)
+
+
+# (row_map, C): sequences with different numbers of draft rows, a cache row nobody reads,
+# rows not grouped by cache row, one row per cache row, and more cache rows than one scan chunk
+ROW_MAPS = {
+    "uneven": ([0, 0, 0, 1, 2, 2, 2, 2, 2, 2], 3),
+    "idle_cache_row": ([2, 2, 0, 0, 0], 4),
+    "interleaved": ([1, 0, 1, 2, 0, 1], 3),
+    "one_each": ([0, 1, 2, 3], 4),
+    "many_cache_rows": ([c for c in range(70) for _ in range(1 + c % 3)], 70),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("maps", list(ROW_MAPS))
+@pytest.mark.parametrize("masks", ["none", "shared_per_row", "own_per_row", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_map_triton_matches_reference_and_naive(maps, masks, dtype, device):
+    row_map, C = ROW_MAPS[maps]
+    big = maps == "many_cache_rows"
+    H, Hkv, L, S, D = (2, 1, 2, 5, 16) if big else (6, 2, 7, 37, 24)       # GQA 3, odd sizes
+    gen = torch.Generator().manual_seed(len(row_map) * 7 + C + len(masks))
+    q, ks, vs, ko, vo, rm = make_rows(row_map, C, H, Hkv, L, S, D, dtype, gen, device)
+    kw = {}
+    if masks in ("shared_per_row", "both"):
+        sm = torch.rand(C, S, generator=gen) < 0.6
+        sm[0] = False                                     # cache row 0: no visible shared key
+        kw["shared_mask"] = sm.to(device)
+    if masks in ("own_per_row", "both"):
+        om = torch.rand(len(row_map), L, L, generator=gen) < 0.5
+        om[:, 0] = False                                  # own query 0 sees no own key
+        kw["own_mask"] = om.to(device)
+    out, lse = run_triton(q, ks, vs, ko, vo, row_map=rm, **kw)
+    ref = reference.shared_prefix_attention(*cpu((q, ks, vs, ko, vo)), row_map=rm.cpu(),
+                                            **{k: v.cpu() for k, v in kw.items()})
+    torch.testing.assert_close(out.cpu(), ref[0], **TOL[dtype])
+    torch.testing.assert_close(lse.cpu(), ref[1], **LSE_TOL)
+    want = naive_rows(q, ks, vs, ko, vo, rm.cpu(), **kw)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(ref[0].double(), want[0], **tol)
+    torch.testing.assert_close(ref[1].double(), want[1], rtol=1e-5, atol=1e-5)
+    if masks == "both":          # a row of cache row 0 whose query 0 sees nothing at all
+        r0 = row_map.index(0)
+        assert torch.all(out[r0, :, 0].cpu() == 0) and torch.all(torch.isneginf(lse[r0, :, 0].cpu()))
+
+
+@needs_triton
+def test_row_map_broadcast_shared_mask_and_plans(device):
+    """A [S] shared mask applies to every cache row; a RowPlan, a raw row_map and a plan made
+    for the other backend give the same results."""
+    gen = torch.Generator().manual_seed(5)
+    row_map, C = ROW_MAPS["uneven"]
+    q, ks, vs, ko, vo, rm = make_rows(row_map, C, 4, 2, 5, 30, 16, torch.float32, gen, device)
+    sm = (torch.rand(30, generator=gen) < 0.5).to(device)
+    causal = torch.ones(1, 5, 5, dtype=torch.bool, device=device).tril()
+    kw = dict(shared_mask=sm, own_mask=causal)
+    want = naive_rows(q, ks, vs, ko, vo, rm.cpu(), shared_mask=sm.cpu().expand(C, 30), own_mask=causal.cpu())
+    for backend in BACKENDS:
+        for plan in (rm, psd_kernels.plan_rows(rm, C, backend="triton"), psd_kernels.plan_rows(rm, C, backend="reference")):
+            out, lse = psd_kernels.shared_prefix_attention(q, ks, vs, ko, vo, row_map=plan, backend=backend, **kw)
+            torch.testing.assert_close(out.cpu().double(), want[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse.cpu().double(), want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_reference_row_map_matches_naive(flash, dtype, monkeypatch):
+    """Both CPU paths of the reference (the fused SDPA kernel and the matmul fallback used off
+    CPU) against fp64 attention of every row on its own."""
+    monkeypatch.setattr(reference, "USE_FLASH_CPU", flash and reference.USE_FLASH_CPU)
+    gen = torch.Generator().manual_seed(11)
+    row_map, C = ROW_MAPS["interleaved"]
+    q, ks, vs, ko, vo, rm = make_rows(row_map, C, 8, 2, 9, 70, 32, dtype, gen, "cpu")
+    sm = torch.rand(C, 70, generator=gen) < 0.7
+    om = torch.rand(len(row_map), 9, 9, generator=gen) < 0.5
+    for kw in (dict(shared_mask=sm), dict(shared_mask=sm, own_mask=om), dict(scale=0.2)):
+        out, lse = reference.shared_prefix_attention(q, ks, vs, ko, vo, row_map=rm, **kw)
+        want = naive_rows(q, ks, vs, ko, vo, rm, **kw)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        tol = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-5, atol=1e-5),
+               torch.bfloat16: TOL[torch.bfloat16]}[dtype]
+        torch.testing.assert_close(out.double(), want[0], **tol)
+        torch.testing.assert_close(lse.double(), want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_rows_do_not_depend_on_the_other_rows(dtype):
+    """A row's output is bit-identical whether it is verified alone or among other rows and
+    other sequences' rows (lossless PSD modes compare a draft's output with the plain call's)."""
+    gen = torch.Generator().manual_seed(2)
+    row_map = [0] * 40 + [1] * 3            # 40 rows x G x L query rows: other SDPA tilings than one row
+    q, ks, vs, ko, vo, rm = make_rows(row_map, 2, 8, 2, 9, 600, 32, dtype, gen, "cpu")
+    kw = dict(shared_mask=torch.rand(2, 600, generator=gen) < 0.8, own_mask=torch.rand(43, 9, 9, generator=gen) < 0.5)
+    full = reference.shared_prefix_attention(q, ks, vs, ko, vo, row_map=rm, **kw)
+    for sub in ([0], [39], [40], [5, 6, 7], [7, 41], list(range(20))):
+        sub = torch.tensor(sub)
+        part = reference.shared_prefix_attention(q[sub], ks, vs, ko[sub], vo[sub], row_map=rm[sub],
+                                                 shared_mask=kw["shared_mask"], own_mask=kw["own_mask"][sub])
+        assert torch.equal(part[0], full[0][sub]) and torch.equal(part[1], full[1][sub])
+
+
+def test_reference_row_map_never_allocates_a_cache_copy_per_row():
+    K, C, H, Hkv, L, S, D = 5, 2, 4, 2, 4, 101, 64
+    gen = torch.Generator().manual_seed(0)
+    q, ks, vs, ko, vo, rm = make_rows([0] * K + [1] * (K - 2), C, H, Hkv, L, S, D, torch.float32, gen, "cpu")
+    with NumelRecorder() as rec:
+        reference.shared_prefix_attention(q, ks, vs, ko, vo, row_map=rm, shared_mask=torch.rand(C, S, generator=gen) < 0.5)
+    biggest = max(rec.created, key=lambda e: e[1])
+    assert biggest[1] < K * S * D, f"{biggest[0]} created {biggest[1]} elements"
+
+
+# ------------------------------------------------------------------------------------------
 # reference semantics
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("K, H, Hkv, L, S", [(1, 2, 2, 1, 0), (3, 4, 2, 7, 1), (8, 4, 1, 5, 100)])
@@ -326,8 +467,23 @@ def test_bad_inputs(backend, device):
 
     with pytest.raises(ValueError, match="q must be a 4-D"):
         call(q[0], ks, vs, ko, vo)
-    with pytest.raises(ValueError, match="k_shared must be a 3-D"):
+    with pytest.raises(ValueError, match="k_shared must be a 3 or 4-D"):
+        call(q, ks[None, None], vs, ko, vo)
+    with pytest.raises(ValueError, match="v_shared has shape"):
         call(q, ks[None], vs, ko, vo)
+    with pytest.raises(ValueError, match="give row_map"):
+        call(q, ks[None].expand(2, -1, -1, -1), vs[None].expand(2, -1, -1, -1), ko, vo)
+    two = (ks[None].expand(2, -1, -1, -1), vs[None].expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match="row_map must be an int64 tensor of shape"):
+        call(q, *two, ko, vo, row_map=torch.zeros(3, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="row_map must be an int64 tensor of shape"):
+        call(q, *two, ko, vo, row_map=torch.zeros(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="made for 3 cache rows"):
+        call(q, *two, ko, vo, row_map=psd_kernels.plan_rows(torch.zeros(2, dtype=torch.int64, device=device), 3,
+                                                             backend=backend))
+    with pytest.raises(ValueError, match="shared_mask has shape"):
+        call(q, *two, ko, vo, shared_mask=torch.ones(3, 5, dtype=torch.bool, device=device),
+             row_map=torch.zeros(2, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="multiple of kv heads"):
         call(q[:, :3], ks, vs, ko, vo)
     with pytest.raises(ValueError, match="all inputs need one dtype"):
@@ -344,6 +500,27 @@ def test_bad_inputs(backend, device):
         call(q, ks, vs, ko, vo, shared_mask=torch.ones(4, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match="floating point"):
         call(q.long(), ks.long(), vs.long(), ko.long(), vo.long())
+
+
+def test_plan_rows_checks():
+    with pytest.raises(ValueError, match="row_map names cache rows 0..3, but there are 3"):
+        reference.plan_rows(torch.tensor([0, 3]), 3)
+    with pytest.raises(ValueError, match="row_map names cache rows -1..0"):
+        reference.plan_rows(torch.tensor([-1, 0]), 3)
+    with pytest.raises(ValueError, match="1-D int64"):
+        reference.plan_rows(torch.tensor([[0]]), 3)
+    with pytest.raises(ValueError, match="cache_rows must be a positive int"):
+        reference.plan_rows(torch.tensor([0]), 0)
+    with pytest.raises(ValueError, match="unknown psd_kernels backend"):
+        psd_kernels.plan_rows(torch.tensor([0]), 1, backend="cuda")
+    plan = reference.plan_rows(torch.tensor([2, 0, 2, 2]), 4)
+    assert plan.max_rows == 3 and not plan.rect
+    assert plan.order.tolist() == [1, 0, 2, 3] and plan.offsets.tolist() == [0, 1, 1, 4, 4]
+    assert plan.slots.tolist() == [6, 0, 7, 8]              # [C, 3] slots: cache row 2 starts at 6
+    assert reference.plan_rows(torch.tensor([0, 0, 1, 1]), 2).rect
+    assert reference.plan_rows(torch.tensor([1, 1, 0, 0]), 2).rect is False      # right counts, wrong order
+    lean = reference.plan_rows(torch.tensor([2, 0, 2, 2]), 4, padded=False)
+    assert lean.slots is None and lean.padded().slots.tolist() == plan.slots.tolist()
 
 
 @needs_triton

@@ -71,17 +71,25 @@ def _variants(quick: bool):
         yield f"assemble_drafts L={L} K={K}", fn, _signature(fn, ptr, {}, ce_d), ce_d, warps
 
     fn = sparse_attn._shared_prefix_attn_kernel
-    for dt, head_dim, mask, cfg in itertools.product(("bf16", "fp32"), (64, 128), (False, True), sparse_attn._CONFIGS):
-        if quick and (cfg is not sparse_attn._CONFIGS[2] or head_dim != 64):
+    # (shared mask, own mask): the model passes (True, False) on bidirectional models and
+    # (True, True) on context-causal ones; (False, False) is the one-cache call without masks
+    masks = ((False, False), (True, False), (False, True), (True, True))
+    for dt, head_dim, (smask, omask), group, cfg in itertools.product(
+            ("bf16", "fp32"), (64, 128), masks, (1, 4, 7), sparse_attn._CONFIGS):
+        if quick and (cfg is not sparse_attn._CONFIGS[2] or head_dim != 64 or group != 4):
             continue
+        if not quick and (group != 4 and (cfg is not sparse_attn._CONFIGS[0] or smask != omask)):
+            continue   # group sizes 1 (LLaDA) and 7 (Dream) once per dtype, head dim and mask pair
         block_d = triton.next_power_of_2(head_dim)
         if not sparse_attn._prune_configs([cfg], {"BLOCK_D": block_d}):
             continue
         ptr = {n: f"*{dt}" for n in ("Q", "KS", "VS", "KO", "VO", "O")}
-        ptr.update({"SMASK": "*u8", "OMASK": "*u8", "LSE": "*fp32"})
-        ce = dict(HEAD_DIM=head_dim, GROUP=4, HAS_MASK=mask, HAS_OWN_MASK=mask, UPCAST=dt == "fp32",
-                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32", BLOCK_D=block_d, **cfg.kwargs)
-        label = f"shared_prefix_attention {dt} D={head_dim} shared+own masks={mask} {cfg.kwargs}"
+        ptr.update({"SMASK": "*u8", "OMASK": "*u8", "LSE": "*fp32", "ORDER": "*i64", "OFFS": "*i64"})
+        ce = dict(HEAD_DIM=head_dim, GROUP=group, HAS_MASK=smask, HAS_OWN_MASK=omask, UPCAST=dt == "fp32",
+                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32", CHUNK=sparse_attn.CHUNK_C, BLOCK_D=block_d,
+                  **cfg.kwargs)
+        label = (f"shared_prefix_attention {dt} D={head_dim} G={group} shared_mask={smask} own_mask={omask} "
+                 f"{cfg.kwargs}")
         yield label, fn, _signature(fn, ptr, {"qk_scale": "fp32"}, ce), ce, cfg.num_warps
 
 
