@@ -20,7 +20,9 @@ from typing import Callable
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# microbenchmark CSVs go to the git-ignored runs/bench/ (bench/results/ holds the committed tables,
+# which only bench/reproduce_results.sh writes); PSD_BENCH_RESULTS=DIR sends them elsewhere
+RESULTS = Path(os.environ.get("PSD_BENCH_RESULTS") or Path(__file__).resolve().parent.parent / "runs" / "bench")
 
 
 def default_device() -> torch.device:
@@ -109,7 +111,7 @@ def slug(text: str) -> str:
 
 
 def write_csv(bench: str, rows: list[dict], device: torch.device) -> Path:
-    """Write rows to bench/results/<bench>_<device>.csv (replacing an older run on that device)."""
+    """Write rows to RESULTS/<bench>_<device>.csv (replacing an older run on that device)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = device_name(device)
     stamp = {"device": name, **versions(), "date": datetime.datetime.now().isoformat(timespec="seconds")}

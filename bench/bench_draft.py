@@ -8,7 +8,7 @@ These kernels move little data (B·L inputs, B·K·L drafts): at decoding sizes 
 launch latency, which is the point — the torch path issues ~15 small ops (two sorts, gathers,
 a [B, K, L, D] compare) where the kernel issues one launch. GB/s counts the bytes one pass
 must move (inputs once, outputs once); ``peak_frac`` divides by the measured copy bandwidth.
-Results: bench/results/bench_draft_<device>.csv.
+Results: runs/bench/bench_draft_<device>.csv (git-ignored; PSD_BENCH_RESULTS=DIR elsewhere).
 """
 from __future__ import annotations
 

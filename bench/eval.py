@@ -138,7 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default="none", choices=list(CACHE_MODES))
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
-    p.add_argument("--out", help="per-problem JSONL (default: bench/results/eval_<task>.jsonl)")
+    p.add_argument("--out", help="per-problem JSONL, written as each method finishes "
+                                 "(default: a fresh runs/eval-<task>-<time>/results.jsonl)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--plot", help="directory for the PNG figures")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -172,6 +174,44 @@ def merge_plot_data(parts):
     return results, traces
 
 
+RUNS = Path(__file__).resolve().parent.parent / "runs"       # git-ignored
+
+
+def _writable_dir(path: Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{what} {path}: cannot create the directory ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {path}: the directory is not writable")
+
+
+def _output_file(args, rank: int) -> Path:
+    """The per-problem JSONL: --out, or a fresh run directory under runs/ (never the committed
+    bench/results/, which only bench/reproduce_results.sh writes, with --out and --overwrite).
+    An existing file is replaced only with --overwrite; it is created (empty) now, so an
+    unwritable path fails before any decoding."""
+    if args.out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = RUNS / f"eval-{args.task}-{stamp}-{os.getpid()}" / "results.jsonl"
+    else:
+        out = Path(args.out)
+    if rank != 0:
+        return out
+    if out.is_dir():
+        raise InputError(f"--out {out} is a directory; give a file path")
+    if out.exists() and out.stat().st_size and not args.overwrite:
+        raise InputError(f"--out {out} exists; pass --overwrite to replace it")
+    _writable_dir(out.parent, "--out")
+    try:
+        out.write_text("", encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot write ({e.strerror})") from None
+    if args.out is None:
+        print(f"results: {out}", file=sys.stderr)
+    return out
+
+
 def _run(args) -> int:
     rank, world = _dist()
     task = get_task(args.task)
@@ -183,7 +223,12 @@ def _run(args) -> int:
         specs.insert(0, ("greedy", {}))               # the speed baseline, measured in this run
     if args.gen_length is None:
         args.gen_length = GEN_LENGTH[args.task]
+    for name, opts in specs:                        # every spec is checked before the first one runs
+        DecodeConfig(method=name, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
+                     **opts).validate()
     problems = task.load(args.data, limit=args.limit)           # --data None: the suite's shipped file
+    if not problems:
+        raise InputError(f"the {args.task} data holds no problem")
     k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot
     shots = task.few_shot(k, args.few_shot_data or args.data) if k else []
     if not Path(args.model).is_dir():
@@ -193,46 +238,45 @@ def _run(args) -> int:
                             ModelConfig.from_dir(args.model).max_length, args.gen_length, args.block_length)
     if too_long:                                  # say so before loading weights, with a setting that fits
         raise InputError(too_long)
+    if args.plot and rank == 0:                     # outputs are checked writable before any decoding
+        _writable_dir(Path(args.plot), "--plot")
+    out = _output_file(args, rank)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if world > 1 and device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
     model = load_model(args.model, dtype=args.dtype, device=device)
     mine = problems[rank::world]
     prompts = [tok.encode(task.format_prompt(pr, shots)) for pr in mine]
-    records, walls, traces, results = [], {}, {}, {}
+    records, walls, traces, results, parts = [], {}, {}, {}, []
+    metrics = getattr(task, "METRICS", ())      # gsm8k: lm-eval's strict-match and flexible-extract, both
+    by_id = {p["id"]: p for p in problems}
     for name, opts in specs:
         steps = []
         trace = (lambda rows, blk, st, rk, pr, _s=steps: _s.append((rows.tolist(), blk, st.tolist(), rk.tolist()))) \
             if args.plot and name == "greedy" else None
         recs, wall, res = run_method(model, tok, task, mine, prompts, name, opts, args, trace)
         m = recs[0]["method"] if recs else name
-        walls[m] = wall
-        records += recs
-        results[m] = res
-        traces[m] = steps
-    plot_data = (results, traces) if args.plot else None
-    gathered = _gather((records, walls, plot_data), world)
+        gathered = _gather((recs, wall, (res, steps) if args.plot else None), world)
+        walls[m] = max(w for _, w, _ in gathered)           # a method ends with its slowest rank
+        new = [r for rs, _, _ in gathered for r in rs]
+        for r in new if metrics else ():
+            r.update(task.metrics(r["completion"], by_id[r["id"]]))
+        records += new
+        results[m], traces[m] = res, steps
+        parts.append([pd for _, _, pd in gathered])
+        if rank == 0:                                       # written as produced: an interruption loses nothing
+            with open(out, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in new)
     if rank != 0:
         return 0
-    records = [r for recs, _, _ in gathered for r in recs]
-    metrics = getattr(task, "METRICS", ())      # gsm8k: lm-eval's strict-match and flexible-extract, both
-    if metrics:
-        by_id = {p["id"]: p for p in problems}
-        for r in records:
-            r.update(task.metrics(r["completion"], by_id[r["id"]]))
-    walls = {m: max(w[m] for _, w, _ in gathered) for m in walls}       # a method ends with its slowest rank
     if args.plot and world > 1:
-        results, traces = merge_plot_data([pd for _, _, pd in gathered])
+        results, traces = merge_plot_data([({m: pd[0] for m, pd in zip(walls, col)}, {m: pd[1] for m, pd in zip(walls, col)})
+                                           for col in zip(*parts)])
     order = list(walls)
     rows = summarize(records, walls, order)
     for row in rows:
         recs = [r for r in records if r["method"] == row["method"]]
         row.update({m: sum(r[m] for r in recs) / max(len(recs), 1) for m in metrics})
-    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"eval_{args.task}.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
     dev = torch.cuda.get_device_name(0) if device.startswith("cuda") else "CPU"
     header = (f"task={args.task} problems={len(problems)} model={args.model} gen={args.gen_length} "
               f"block={args.block_length} cache={args.cache} batch={args.batch_size} ranks={world} device={dev}")

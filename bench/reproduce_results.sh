@@ -24,7 +24,7 @@ METHODS=(greedy confidence:tau=0.9 confidence:tau=0.5 topk:steps=16 localleap sp
 
 eval_run() {
     python -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29561}" \
-        -m bench.eval --model "$MODEL" --dtype "$DTYPE" --batch-size "$BATCH" "$@"
+        -m bench.eval --model "$MODEL" --dtype "$DTYPE" --batch-size "$BATCH" --overwrite "$@"
 }
 
 # 1. every method of the paper on both held-out files (300 problems each)
@@ -48,7 +48,7 @@ fi
 if want 3; then
     python -m engine.calibrate --model "$MODEL" --policy greedy --depth 4 --nodes 8 \
         --prompts "$MODEL/calibration_prompts.jsonl" --out "$MODEL/graph_greedy_d4_n8.json" \
-        --gen-length 64 --block-length 32 --dtype "$DTYPE"
+        --gen-length 64 --block-length 32 --dtype "$DTYPE" --overwrite
     eval_run --task math --methods greedy "spiffy:graph=$MODEL/graph_greedy_d4_n8.json" spiffy:d=7 \
         --out bench/results/eval_math_calibrated.jsonl | tee bench/results/eval_math_calibrated.txt
 fi

@@ -120,3 +120,71 @@ def test_a_step_that_commits_nothing_cannot_hang(ckpt, monkeypatch):
     monkeypatch.setattr(psd_kernels, "top1", mask_only)
     with pytest.raises(DecodingError, match="made no progress at call 1"):
         generate(model, [[5, 6, 7], [8, 9]], method="confidence", gen_length=16, block_length=8)
+
+
+# ---------------------------------------------------------------------- results are never lost or overwritten
+def _results_state():
+    return {p.name: p.stat().st_mtime_ns for p in (ROOT / "bench" / "results").iterdir()}
+
+
+def test_eval_without_out_writes_a_fresh_run_dir(ckpt, capsys):
+    from bench.eval import main as eval_main
+
+    before = _results_state()
+    code = eval_main(["--model", str(ckpt), "--task", "math", "--methods", "greedy", "--limit", "2",
+                      "--gen-length", "8", "--block-length", "8", "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    path = Path(json.loads(out.strip().splitlines()[-1])["results_file"])
+    assert path.is_file() and (ROOT / "runs") in path.parents and f"results: {path}" in err
+    assert len(path.read_text().splitlines()) == 2
+    assert _results_state() == before
+
+
+def test_eval_checks_outputs_and_specs_before_decoding(ckpt, tmp_path, capsys):
+    from bench.eval import main as eval_main
+
+    common = ["--model", str(ckpt), "--task", "math", "--limit", "2", "--gen-length", "8", "--block-length", "8",
+              "--quiet"]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("precious\n")
+    cases = [
+        (["--methods", "greedy", "--out", str(mine)], "exists; pass --overwrite"),
+        (["--methods", "greedy", "--out", str(tmp_path)], "is a directory"),
+        (["--methods", "greedy", "--out", "/proc/nope/x.jsonl"], "--out"),
+        (["--methods", "greedy", "--plot", "/proc/nope"], "--plot"),
+        (["--methods", "greedy", "confidence:tau=7", "--out", str(tmp_path / "a.jsonl")], "outside (0, 1]"),
+        (["--methods", "greedy", "greedy:tau=0.5", "--out", str(tmp_path / "b.jsonl")], "threshold applies to"),
+    ]
+    for extra, msg in cases:
+        assert eval_main(common + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err, (extra, err)
+    assert mine.read_text() == "precious\n"
+    assert not (tmp_path / "a.jsonl").exists() or (tmp_path / "a.jsonl").read_text() == ""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert eval_main(common + ["--methods", "greedy", "--data", str(empty), "--out", str(tmp_path / "c.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert eval_main(common + ["--methods", "greedy", "--out", str(mine), "--overwrite"]) == 0
+    assert len(mine.read_text().splitlines()) == 2
+
+
+def test_eval_writes_each_method_as_it_finishes(ckpt, tmp_path, monkeypatch, capsys):
+    """An interruption after the first method loses nothing of it."""
+    import bench.eval as E
+
+    real, calls = E.run_method, []
+
+    def interrupt_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(E, "run_method", interrupt_second)
+    out = tmp_path / "r.jsonl"
+    code = E.main(["--model", str(ckpt), "--task", "math", "--methods", "greedy", "confidence", "--limit", "2",
+                   "--gen-length", "8", "--block-length", "8", "--quiet", "--out", str(out)])
+    assert code == 130
+    assert [json.loads(l)["method"] for l in out.read_text().splitlines()] == ["greedy", "greedy"]
