@@ -155,8 +155,12 @@ elif [[ $DRY -eq 0 ]]; then
         --out "$OUT/end_to_end" --quiet
 else
     # ------------------------------------------------------------ dry: same sections, tiny shapes, CPU
-    DRY_K="tie_rule_example or naive or merge_attention or head_layouts or shared_mask or drafts_are_independent"
-    DRY_K="$DRY_K or exclude_and_ties or (test_matches_reference and prob-1023)"
+    # a sample of every kernel's tests, reference and interpreter (about 40 tests; the whole files take minutes)
+    DRY_K="tie_rule_example or rank_positions_naive or position_ranks_naive or assemble_drafts_naive"
+    DRY_K="$DRY_K or merge_attention or head_layouts or shared_mask or drafts_are_independent or exclude_and_ties"
+    DRY_K="$DRY_K or reference_prob_is_naive or margin_and_entropy_naive or reference_row_map_matches_naive"
+    DRY_K="$DRY_K or (test_matches_reference and prob-1023)"
+    DRY_K="$DRY_K or (row_map_triton and (dtype0-both-interleaved or dtype1-none-uneven))"
     section kernel_tests 90 "$PY" -m pytest tests/test_top1.py tests/test_draft.py tests/test_sparse_attn.py \
         -q -o addopts= -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml" -k "$DRY_K"
     section bench_top1 30 bench_kernel top1 bench.bench_top1 --rows 4 --vocab 4096 --dtype float32
