@@ -1,0 +1,274 @@
+"""The decoding hot path never waits for the device more than a constant number of times.
+
+A host synchronisation is any call that needs a tensor's *value* on the host (`.item()`,
+`.tolist()`, `bool(t)`, `int(t)`, `nonzero`, a boolean-mask index, ...): on a GPU each one
+drains the queue. `SyncCounter` (a TorchFunctionMode, so it sees every torch call, in the engine
+loop and in the model alike) counts them; forward hooks on the model split the count into
+"inside a model call" (must be 0: no layer reads anything back, whatever the rows) and "between
+two model calls" (one decode step: a small constant that must not grow with the batch, the
+layers, the drafts or the positions). It replaces the source-text check of engine/loop.py,
+which could not see the model.
+
+The count runs on CPU, where these calls cost nothing; what it pins down is the code path,
+which is the same on a GPU. The Triton backend's launchers are checked under the interpreter;
+what runs inside a kernel launch (the interpreter's numpy copies) is not host code of a GPU run
+and is not counted.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import psd_kernels
+from engine import DecodeConfig, DraftGraph
+from engine.loop import Decoder
+from models import ModelConfig, init_random
+import models.transformer as transformer
+
+T = torch.Tensor
+# calls that need a tensor's value on the host
+ALWAYS = {
+    T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__index__, T.__complex__, T.__format__, T.__repr__,
+    T.__array__, T.cpu, T.numpy, T.nonzero, torch.nonzero, T.argwhere, torch.argwhere, T.masked_select,
+    torch.masked_select, T.unique, torch.unique, T.unique_consecutive, torch.unique_consecutive, T.bincount,
+    torch.bincount, T.equal, torch.equal, T.allclose, torch.allclose, T.is_nonzero, torch.is_nonzero,
+}
+# indexing with a boolean mask runs nonzero; repeat_interleave by a tensor sizes its output
+MASK_INDEXED = {T.__getitem__, T.__setitem__, T.index_put_, T.index_put, torch.index_put}
+
+
+def _is_mask(i) -> bool:
+    if isinstance(i, (tuple, list)):
+        return any(_is_mask(j) for j in i)
+    return isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts host synchronisations; `paused` suspends counting (kernel launches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.calls: list[str] = []
+        self.paused = 0
+
+    def _is_sync(self, func, args, kwargs) -> bool:
+        if func in ALWAYS:
+            return True
+        if func in MASK_INDEXED:
+            return len(args) > 1 and _is_mask(args[1])
+        if func in (T.repeat_interleave, torch.repeat_interleave):
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            return isinstance(repeats, torch.Tensor) and repeats.numel() > 1 and kwargs.get("output_size") is None
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused and self._is_sync(func, args, kwargs):
+            self.count += 1
+            self.calls.append(getattr(func, "__qualname__", str(func)))
+        return func(*args, **kwargs)
+
+
+class Launches:
+    """Wraps a Triton kernel object: counts launches, and pauses the sync counter inside them."""
+
+    def __init__(self, kernel, counter: SyncCounter | None):
+        self.kernel, self.counter, self.n = kernel, counter, 0
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.n += 1
+            if self.counter is not None:
+                self.counter.paused += 1
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                if self.counter is not None:
+                    self.counter.paused -= 1
+        return run
+
+
+def _pause_triton_kernels(monkeypatch, counter):
+    from psd_kernels.ops import draft, sparse_attn, top1
+
+    for module in (draft, sparse_attn, top1):
+        for name in dir(module):      # the launched kernels (not the jit helpers they call)
+            obj = getattr(module, name)
+            if name.endswith("_kernel") and type(obj).__name__ in ("JITFunction", "Autotuner", "InterpretedFunction"):
+                monkeypatch.setattr(module, name, Launches(obj, counter))
+
+
+class Profile:
+    """Per model call: syncs inside it, syncs since the previous call (a decode step), and how
+    many rows it ran."""
+
+    def __init__(self, model, counter: SyncCounter):
+        self.counter, self.inside, self.between, self.rows, self.cached = counter, [], [], [], []
+        self._start = self._end = None
+        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        model.register_forward_hook(self._post)]
+
+    def _pre(self, module, args, kwargs):
+        if self._end is not None:
+            self.between.append(self.counter.count - self._end)
+        self._start = self.counter.count
+        self.rows.append(args[0].shape[0])
+        cache = kwargs.get("cache", args[3] if len(args) > 3 else None)
+        self.cached.append(cache is not None and cache.row_map is not None)
+
+    def _post(self, module, args, out):
+        self.inside.append(self.counter.count - self._start)
+        self._end = self.counter.count
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
+GRAPHS = {2: DraftGraph.chain(1), 8: DraftGraph([[], [0], [1], [0, 1], [0, 2], [0, 1, 2], [2], [0, 1, 2, 3]])}
+
+
+def profile(family="llada", layers=2, batch=2, nodes=8, cache="dual", backend=None, monkeypatch=None, **opts):
+    model = init_random(ModelConfig.tiny(family, num_layers=layers), seed=7, std=0.3)
+    kw = dict(method="psd", policy_name="confidence", threshold=0.5, acceptance="policy", graph=GRAPHS[nodes],
+              gen_length=16, block_length=8, cache=cache)
+    kw.update(opts)
+    dec = Decoder(model, DecodeConfig(**kw))
+    counter = SyncCounter()
+    if backend is not None:
+        monkeypatch.setattr(psd_kernels, "BACKEND", backend)
+        if backend == "triton":
+            _pause_triton_kernels(monkeypatch, counter)
+    prof = Profile(model, counter)
+    try:
+        with counter:
+            results = dec.generate(PROMPTS[:batch])
+    finally:
+        prof.close()
+    return prof, results
+
+
+def check(prof: Profile):
+    assert prof.inside and max(prof.inside) == 0, f"host syncs inside model calls: {prof.inside}"
+    return max(prof.between)
+
+
+# syncs per decode step: which rows go on and which drafts are valid (engine loop), plus the
+# reference backend's RowPlan read (one int per cached call) or a block boundary (close + open)
+STEP_BOUND = 4
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_no_sync_inside_a_model_call_and_a_constant_per_step(cache):
+    base = profile(cache=cache)[0]
+    step = check(base)
+    assert step <= STEP_BOUND
+    assert max(base.rows) > 2 and (cache == "none" or any(base.cached))   # drafts verified over a cache
+    for variant in (dict(batch=1), dict(batch=4), dict(layers=1), dict(layers=3), dict(nodes=2),
+                    dict(gen_length=32, block_length=16)):
+        other = profile(cache=cache, **variant)[0]
+        assert check(other) == step, f"{variant}: {max(other.between)} syncs per step, {step} at the base"
+
+
+def test_context_causal_model_and_plain_policies():
+    """The own-mask path (openPangu) and a root-only graph (plain confidence decoding)."""
+    steps = set()
+    for kw in (dict(family="pangu"), dict(family="pangu", batch=4, layers=3), dict(family="dream", cache="prefix"),
+               dict(method="confidence", graph=None, policy_name=None, acceptance=None)):
+        steps.add(check(profile(**kw)[0]))
+    assert max(steps) <= STEP_BOUND
+
+
+def test_triton_backend_launchers_do_not_sync(monkeypatch):
+    """Under the interpreter: every psd_kernels launcher (top-1, draft assembly, attention and the
+    call's RowPlan) reads nothing back, and one attention kernel launch serves a layer."""
+    from psd_kernels.ops import sparse_attn
+
+    prof, _ = profile(backend="triton", monkeypatch=monkeypatch, batch=3, layers=2)
+    assert check(prof) <= STEP_BOUND
+    cached_calls = sum(prof.cached)
+    assert cached_calls > 0
+    assert sparse_attn._kernel.n == 2 * cached_calls          # one launch per layer per cached call
+
+
+def test_the_counter_sees_a_sync_in_attend(monkeypatch):
+    """The check can fail: the per-layer `bincount(row_map).tolist()` that attend used to make is
+    counted in every layer of every cached call."""
+    orig = transformer.attend
+
+    def attend_with_readback(q, k_own, v_own, own_mask, cache_kv=None, cache=None, all_own=False):
+        if cache is not None and cache.row_map is not None:
+            torch.bincount(cache.row_map, minlength=cache.key_mask.shape[0]).tolist()
+        return orig(q, k_own, v_own, own_mask, cache_kv, cache, all_own)
+
+    monkeypatch.setattr(transformer, "attend", attend_with_readback)
+    prof, _ = profile(layers=3)
+    inside = [n for n, c in zip(prof.inside, prof.cached) if c]
+    assert inside and all(n == 2 * 3 for n in inside)           # bincount + tolist, in each of 3 layers
+    with pytest.raises(AssertionError, match="inside model calls"):
+        check(prof)
+
+
+def test_row_plan_reads_nothing_for_the_kernel_and_one_int_for_the_reference():
+    row_map = torch.tensor([0, 0, 2, 2, 2, 3])
+    with SyncCounter() as c:
+        plan = psd_kernels.plan_rows(row_map, 5, backend="triton")
+    assert c.count == 0, c.calls
+    with SyncCounter() as c:
+        padded = psd_kernels.plan_rows(row_map, 5, backend="reference")
+    assert c.count == 1 and padded.max_rows == 3
+    assert plan.offsets.tolist() == padded.offsets.tolist() == [0, 2, 2, 5, 6, 6]
+
+
+def test_the_counter_sees_every_kind_of_sync():
+    x = torch.tensor([1, 0, 2])
+    m = x > 0
+    cases = [lambda: x[0].item(), lambda: x.tolist(), lambda: bool(x[0]), lambda: int(x[0]), lambda: float(x[0]),
+             lambda: [0, 1, 2][x[0]], lambda: x.nonzero(), lambda: torch.nonzero(x), lambda: x.cpu(),
+             lambda: x.numpy(), lambda: x[m], lambda: x.clone().__setitem__(m, 5), lambda: torch.equal(x, x),
+             lambda: torch.bincount(x), lambda: torch.unique(x), lambda: torch.repeat_interleave(x, x),
+             lambda: torch.masked_select(x, m), lambda: 1 if x.any() else 0, lambda: f"{x[0]}"]
+    for case in cases:
+        with SyncCounter() as c:
+            case()
+        assert c.count == 1, c.calls
+    with SyncCounter() as c:      # device-side work reads nothing back
+        y = torch.where(m, x, -x).cumsum(0)[x.argmax()] + x.sum()
+        torch.repeat_interleave(x, 2), x.index_select(0, x), torch.searchsorted(x.sort().values, x), y.exp()
+    assert c.count == 0, c.calls
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_one_attention_launch_per_layer_whatever_the_batch(backend, monkeypatch):
+    """Every cached verification call makes exactly one shared_prefix_attention call per layer
+    (and, on the Triton backend, one kernel launch), for 1 or 4 sequences and 2 or 8 nodes."""
+    from psd_kernels import reference
+    from psd_kernels.ops import sparse_attn
+
+    for batch, nodes in ((1, 8), (4, 8), (4, 2)):
+        calls = {"public": 0, "impl": 0}
+
+        def counting(fn, key):
+            def wrapped(*a, **kw):
+                calls[key] += 1
+                return fn(*a, **kw)
+            return wrapped
+
+        with monkeypatch.context() as mp:
+            mp.setattr(psd_kernels, "shared_prefix_attention", counting(psd_kernels.shared_prefix_attention, "public"))
+            impl = reference if backend == "reference" else sparse_attn
+            mp.setattr(impl, "shared_prefix_attention", counting(impl.shared_prefix_attention, "impl"))
+            if backend == "triton":
+                mp.setattr(psd_kernels, "BACKEND", "triton")
+                mp.setattr(sparse_attn, "_kernel", Launches(sparse_attn._kernel, None))
+            prof, _ = profile(layers=3, batch=batch, nodes=nodes, cache="dual")
+            cached = sum(prof.cached)
+            assert cached > 0 and max(r for r, c in zip(prof.rows, prof.cached) if c) > batch   # drafts per sequence
+            assert calls == {"public": 3 * cached, "impl": 3 * cached}, (batch, nodes, calls, cached)
+            if backend == "triton":
+                assert sparse_attn._kernel.n == 3 * cached
