@@ -1,5 +1,5 @@
 """The hand-written transformer against stock transformers models, and checkpoint round trips in
-each family's real layout (ALGORITHMS.md §7)."""
+each family's real layout (docs/algorithms.md §7)."""
 from __future__ import annotations
 
 import json
@@ -126,7 +126,7 @@ REAL_CONFIGS = {
 @pytest.mark.parametrize("family", list(REAL_CONFIGS))
 def test_real_config_fields(family):
     c = ModelConfig.from_hf(REAL_CONFIGS[family], {"eos_token_id": [126081, 126348]} if family == "llada" else None)
-    table = {  # ALGORITHMS.md §7
+    table = {  # docs/algorithms.md §7
         "llada": dict(attention="bidirectional", logit_shift=0, qkv_bias=False, o_bias=False, num_heads=32,
                       num_kv_heads=32, rope_theta=5e5, rms_eps=1e-5, mask_token_id=126336, eos_token_id=126081),
         "dream": dict(attention="bidirectional", logit_shift=1, qkv_bias=True, o_bias=False, num_heads=28,
