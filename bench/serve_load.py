@@ -1,0 +1,288 @@
+"""Load benchmark of `python -m engine.serve` on loopback (docs/serve.md).
+
+    python -m bench.serve_load [--model DIR] [--levels 1 4 16] [--requests N] [--max-tokens 64]
+    python -m bench.serve_load --url http://127.0.0.1:8000 [--model-name NAME]     # a running server
+
+Without --url it starts two servers on free loopback ports, batched (--max-batch 32) and one
+request at a time (--max-batch 1), with the same decoding flags (--server-args), and measures them
+side by side, level by level (batched, then serial, at each concurrency), so both see the same
+machine. Every request streams (`stream: true`, usage included): latency is the time to
+`data: [DONE]`, time to first token the time to the first chunk with text. Per level: requests/s,
+completion tokens/s, p50/p99 latency and time to first token (nearest rank), mean batch size (the
+`batch_size` the server reports in usage), model calls per request (the server's `calls`
+counter in /health) and the server process's CPU seconds per request (/proc; both change far less
+with the machine's other load than wall-clock figures do). Bounded: --requests per
+level (default 2 x concurrency, at least 8) and --time-limit seconds per level (no new request
+after it); --rounds R repeats each level, alternating which mode goes first, and pools the rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "bench" / "data" / "math_test.jsonl"
+
+
+def prompts(n: int) -> list[str]:
+    rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [f"Question: {r['prompt']}\nAnswer: " for r in rows[:n]]
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (with few samples p99 is the maximum)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def one_request(client, url: str, model: str, prompt: str, max_tokens: int, extra: dict) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    t0 = time.perf_counter()
+    ttft, usage, text = None, None, []
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code} {r.read().decode()[:200]}"}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": chunk["error"]["message"]}
+            for c in chunk.get("choices", []):
+                if c.get("text"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(c["text"])
+            usage = chunk.get("usage") or usage
+    latency = time.perf_counter() - t0
+    return {"latency": latency, "ttft": latency if ttft is None else ttft, "tokens": usage["completion_tokens"],
+            "batch_size": usage.get("batch_size", 1), "calls": usage.get("calls"), "text": "".join(text)}
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process (Linux /proc), 0 where unknown."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0.0
+
+
+def run_level(url: str, model: str, concurrency: int, n: int, max_tokens: int, extra: dict, time_limit: float,
+              texts: list[str], pid: int | None = None) -> tuple[list[dict], float, int, float]:
+    """Results of up to `n` requests from `concurrency` threads, wall seconds, model calls made,
+    CPU seconds the server process used (where the bench started it)."""
+    import httpx
+
+    calls0 = httpx.get(url + "/health", timeout=30).json()["stats"]["calls"]
+    cpu0 = cpu_seconds(pid)
+
+    lock, out, nxt = threading.Lock(), [], [0]
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+
+    def worker():
+        with httpx.Client(timeout=max(time_limit, 60) * 2) as client:
+            while True:
+                with lock:
+                    i = nxt[0]
+                    if i >= n or time.perf_counter() > deadline:
+                        return
+                    nxt[0] += 1
+                try:
+                    res = one_request(client, url, model, texts[i % len(texts)], max_tokens, extra)
+                    res["prompt"] = i % len(texts)
+                except Exception as e:        # noqa: BLE001 -- counted, the run goes on
+                    res = {"error": f"{type(e).__name__}: {e}"}
+                with lock:
+                    out.append(res)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    calls = httpx.get(url + "/health", timeout=30).json()["stats"]["calls"] - calls0
+    return out, wall, calls, cpu_seconds(pid) - cpu0
+
+
+def summarize(concurrency: int, out: list[dict], wall: float, calls: int, cpu: float) -> dict:
+    ok = [r for r in out if "error" not in r]
+    lat, ttft = [r["latency"] for r in ok], [r["ttft"] for r in ok]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"concurrency": concurrency, "requests": len(ok), "errors": len(out) - len(ok),
+            "error_sample": next((r["error"] for r in out if "error" in r), None),
+            "seconds": round(wall, 3), "req_per_s": round(len(ok) / wall, 3), "tok_per_s": round(tokens / wall, 2),
+            "calls_per_request": round(calls / max(len(ok), 1), 2),
+            "server_cpu_s_per_request": round(cpu / max(len(ok), 1), 3) if cpu else None,
+            "p50_latency": round(pct(lat, 50), 3), "p99_latency": round(pct(lat, 99), 3),
+            "p50_ttft": round(pct(ttft, 50), 3), "p99_ttft": round(pct(ttft, 99), 3),
+            "mean_batch": round(sum(r["batch_size"] for r in ok) / max(len(ok), 1), 2),
+            "mean_tokens": round(tokens / max(len(ok), 1), 1),
+            "answers": {r["prompt"]: r["text"] for r in ok}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "engine.serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+           *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"error: the server at {url} exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"error: the server at {url} was not ready after {timeout:.0f} s")
+
+
+def hardware() -> str:
+    cpu = platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}"
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
+    p.add_argument("--url", help="a running server (else two are started: batched and --max-batch 1)")
+    p.add_argument("--model", default=str(REPO / "models" / "default"), help="checkpoint of the started servers")
+    p.add_argument("--model-name", help="the model id to send (default: asked from /v1/models)")
+    p.add_argument("--server-args", default="--method confidence --threshold 0.9 --device cpu",
+                   help="decoding and device flags of the started servers")
+    p.add_argument("--max-batch", type=int, default=32, help="--max-batch of the batched server")
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="client concurrencies")
+    p.add_argument("--requests", type=int, help="requests per level (default: 2 x concurrency, at least 8)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--options", default="{}", help="decoding options sent with every request (JSON object)")
+    p.add_argument("--time-limit", type=float, default=180, help="seconds per level; no new request after it")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat each level, alternating which mode goes first; figures pool the rounds")
+    p.add_argument("--out", help="also write the results as JSON lines here")
+    args = p.parse_args(argv)
+    try:
+        extra = json.loads(args.options)
+        assert isinstance(extra, dict)
+    except (ValueError, AssertionError):
+        print("error: --options must be a JSON object", file=sys.stderr)
+        return 2
+    try:
+        import httpx
+    except ImportError:
+        print("error: bench.serve_load needs httpx (pip install -e '.[serve,test]')", file=sys.stderr)
+        return 2
+
+    procs, servers = [], []
+    try:
+        if args.url:
+            servers.append(("server", args.url.rstrip("/"), None))
+        else:
+            flags = shlex.split(args.server_args)
+            for mode, mb in (("batched", args.max_batch), ("serial", 1)):
+                log = Path(f"/tmp/serve_load_{mode}_{os.getpid()}.log")
+                proc, url = start_server(args.model, flags + ["--max-batch", str(mb), "--max-queue", "1024"], log)
+                procs.append(proc)
+                servers.append((mode, url, proc))
+        for mode, url, proc in servers:
+            wait_ready(url, proc)
+        name = args.model_name or httpx.get(servers[0][1] + "/v1/models", timeout=10).json()["data"][0]["id"]
+        texts = prompts(64)
+        for mode, url, _ in servers:       # warm-up: one request each, not measured
+            run_level(url, name, 1, 1, args.max_tokens, extra, args.time_limit, texts)
+        print(f"# {' '.join(['python -m bench.serve_load'] + (argv if argv is not None else sys.argv[1:]))}")
+        print(f"# hardware: {hardware()}; load average at start {loadavg()}")
+        print(f"# servers: {args.server_args} (batched: --max-batch {args.max_batch}; serial: --max-batch 1); "
+              f"max_tokens {args.max_tokens}; options {json.dumps(extra)}")
+        print("| mode | concurrency | requests | errors | seconds | req/s | tokens/s | p50 latency s | p99 latency s "
+              "| p50 TTFT s | p99 TTFT s | mean batch | model calls / request | server CPU s / request | mean tokens |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        rows = []
+        for c in args.levels:
+            n = args.requests or max(8, 2 * c)
+            pooled = {mode: ([], 0.0, 0, 0.0) for mode, _, _ in servers}
+            for rnd in range(args.rounds):
+                for mode, url, proc in (servers if rnd % 2 == 0 else servers[::-1]):
+                    out, wall, calls, cpu = run_level(url, name, c, n, args.max_tokens, extra, args.time_limit, texts,
+                                                      proc.pid if proc is not None else None)
+                    o, w, k, u = pooled[mode]
+                    pooled[mode] = (o + out, w + wall, k + calls, u + cpu)
+            for mode, _, _ in servers:
+                r = {"mode": mode, "rounds": args.rounds, **summarize(c, *pooled[mode])}
+                rows.append(r)
+                print(f"| {mode} | {c} | {r['requests']} | {r['errors']} | {r['seconds']} | {r['req_per_s']} | "
+                      f"{r['tok_per_s']} | {r['p50_latency']} | {r['p99_latency']} | {r['p50_ttft']} | "
+                      f"{r['p99_ttft']} | {r['mean_batch']} | {r['calls_per_request']} | "
+                      f"{r['server_cpu_s_per_request']} | {r['mean_tokens']} |",
+                      flush=True)
+                if r["errors"]:
+                    print(f"#   first error: {r['error_sample']}", flush=True)
+        print(f"# load average at end {loadavg()}")
+        if len(servers) == 2:              # batch invariance under load: the same prompt, the same answer
+            seen, differ = {}, 0
+            for r in rows:
+                for i, text in r["answers"].items():
+                    differ += seen.setdefault(i, text) != text
+            print(f"# answers per prompt identical across modes and levels: {differ == 0} "
+                  f"({len(seen)} prompts, {differ} differing answers)")
+        if args.out:
+            with open(args.out, "w") as f:
+                for r in rows:
+                    r = {k: v for k, v in r.items() if k != "answers"}
+                    f.write(json.dumps({**r, "hardware": hardware(), "server_args": args.server_args,
+                                        "max_tokens": args.max_tokens, "options": extra}) + "\n")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
