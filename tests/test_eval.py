@@ -119,5 +119,5 @@ def test_precision_at_k_uses_problem_indices_across_batches(tiny, tmp_path, caps
     for bs in ("1", "6"):
         assert eval_main(["--model", str(tiny), "--task", "math", "--methods", "greedy", "--limit", "6",
                           "--gen-length", "16", "--block-length", "16", "--batch-size", bs, "--quiet",
-                          "--out", str(tmp_path / "r.jsonl"), "--plot", str(tmp_path / "f")]) == 0
+                          "--out", str(tmp_path / f"r{bs}.jsonl"), "--plot", str(tmp_path / "f")]) == 0
     assert seen[0] == seen[1] and seen[0][1]
