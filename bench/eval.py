@@ -226,7 +226,14 @@ def _run(args) -> int:
     for name, opts in specs:                        # every spec is checked before the first one runs
         DecodeConfig(method=name, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
                      **opts).validate()
-    problems = task.load(args.data, limit=args.limit)           # --data None: the suite's shipped file
+    try:
+        problems = task.load(args.data, limit=args.limit)       # --data None: the suite's shipped file
+        for pr in problems:
+            if not isinstance(task.format_prompt(pr, []), str) or not isinstance(pr.get("id"), (str, int)):
+                raise TypeError("'id'")
+    except (KeyError, TypeError, AttributeError) as e:         # records of the wrong shape
+        raise InputError(f"--data {args.data or 'file'} does not hold {args.task} problems: a record lacks "
+                         f"or mistypes the field {e}") from None
     if not problems:
         raise InputError(f"the {args.task} data holds no problem")
     k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot

@@ -111,7 +111,8 @@ def _read_prompt(args) -> str:
         return args.prompt
     if src == "-":
         try:
-            return sys.stdin.buffer.read().decode("utf-8")
+            stdin = getattr(sys.stdin, "buffer", None)      # bytes, so invalid UTF-8 is our error
+            return stdin.read().decode("utf-8") if stdin is not None else sys.stdin.read()
         except UnicodeDecodeError as e:
             raise InputError(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     try:

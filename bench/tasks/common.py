@@ -75,11 +75,21 @@ def read_jsonl(path) -> list[dict]:
     p = require_file(path)
     opener = gzip.open if p.name.endswith(".gz") else open
     out = []
-    with opener(p, "rt", encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                out.append(json.loads(line))
+    try:
+        with opener(p, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{p}:{n}: not valid JSON ({e})") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{p}:{n}: expected a JSON object, got {type(rec).__name__}")
+                out.append(rec)
+    except (UnicodeDecodeError, OSError, EOFError) as e:
+        raise ValueError(f"cannot read {p}: {e}") from None
     return out
 
 
