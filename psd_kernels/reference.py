@@ -1,10 +1,13 @@
 """Plain-torch reference implementations of the psd_kernels API.
 
 Each function has exactly the signature of its Triton twin in ``psd_kernels.ops``. They are the
-CPU path, the test oracle and the benchmark baseline. They are written for clarity, not speed:
-``top1`` reads the logits several times (cast, softmax, max, gather) where the Triton kernel
-reads them once; ``shared_prefix_attention`` materialises the score matrices that the kernel
-keeps in registers. They never replicate the shared KV cache per draft.
+CPU path, the test oracle and the benchmark baseline, so the two that dominate a CPU call are
+written for speed within plain torch: ``top1`` writes one float copy of the logits and reads it
+a few times (max with argmax, log-softmax in place, gather) where the Triton kernel reads the
+logits once; ``shared_prefix_attention`` runs on CPU as two fused SDPA calls (shared part, own
+part) merged by log-sum-exp, never materialising a score matrix. Neither replicates a cache
+row per draft, and neither reads a value back to the host, except ``plan_rows``' one int for
+the padded layout (once per model call).
 """
 from __future__ import annotations
 
@@ -453,17 +456,24 @@ def shared_prefix_attention(
     Returns ``out`` [R, H, L, D] in q's dtype and ``lse`` float32 [R, H, L], the natural
     log-sum-exp of the scaled scores. ``out=(out, lse)`` receives the results.
 
-    The cache is never replicated per row. This torch version is the CPU path: on CPU the
-    shared part is one fused SDPA call (the flash kernel behind ``scaled_dot_product_attention``,
-    which returns the log-sum-exp) of every cache row's rows against that cache row, the own
-    part a second one, merged by log-sum-exp. A ``RowPlan`` given here that lacks the padded
-    layout costs one host read (``RowPlan.padded``).
+    The cache is never replicated per row. This torch version is the CPU path: math in float32
+    (float64 inputs: float64), rounded once to q's dtype. On CPU the shared part is ONE fused SDPA
+    call (the flash kernel behind ``scaled_dot_product_attention``, which also returns the
+    log-sum-exp) with the rows of each cache row as one query sequence against one copy of that
+    cache row, the own part a second one, and the two are merged by log-sum-exp; no score matrix
+    is materialised. A ``RowPlan`` given here without the padded layout costs one host read
+    (``RowPlan.padded``).
     """
     R, H, L, D, Hkv, S, C = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask,
                                                  row_map)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out_dtype = q.dtype
     G = H // Hkv
     GL = G * L
+    # float32 math for 16-bit inputs (float64 stays float64): ONE rounding to q's dtype at the
+    # end, as the kernel does; the cast copies each cache row once, never per row
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k_shared, v_shared, k_own, v_own = (t.to(acc) for t in (q, k_shared, v_shared, k_own, v_own))
     ks = k_shared if k_shared.dim() == 4 else k_shared[None]
     vs = v_shared if v_shared.dim() == 4 else v_shared[None]
     # rows of kv head g: [R, H, L, D] -> [R, Hkv, G*L, D] (the G query heads of a group share its keys)
@@ -497,7 +507,7 @@ def shared_prefix_attention(
             o_sh, lse_sh = o_sh.index_select(0, plan.slots), lse_sh.index_select(0, plan.slots)
         o, lse = _merge(o_sh, lse_sh, o_own, lse_own)
         o, lse = o.reshape(R, H, L, D), lse.float().reshape(R, H, L)
-    o = o.to(q.dtype)
+    o = o.to(out_dtype)
     if out is not None:
         out[0].copy_(o)
         out[1].copy_(lse)
