@@ -80,7 +80,8 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "to
                         "service_tier", "modalities"}
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}   # accepted, no effect
 NEUTRAL = {            # field -> (is the value neutral?, what the message says)
-    "n": (lambda v: v == 1 and not isinstance(v, bool), "n must be 1 (one choice per request; concurrent requests are batched)"),
+    "n": (lambda v: v == 1 and not isinstance(v, bool),
+          "n must be 1 (one choice per request; concurrent requests are batched)"),
     "best_of": (lambda v: v == 1 and not isinstance(v, bool), "best_of must be 1"),
     "top_p": (lambda v: v == 1 and not isinstance(v, bool), "top_p is not supported (only 1); use temperature"),
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty is not supported (only 0)"),
@@ -94,7 +95,8 @@ NEUTRAL = {            # field -> (is the value neutral?, what the message says)
     "functions": (lambda v: v == [], "functions are not supported"),
     "tool_choice": (lambda v: v == "none", "tool_choice is not supported"),
     "function_call": (lambda v: v == "none", "function_call is not supported"),
-    "response_format": (lambda v: v == {"type": "text"}, "response_format is not supported (only {\"type\": \"text\"})"),
+    "response_format": (lambda v: v == {"type": "text"},
+                        "response_format is not supported (only {\"type\": \"text\"})"),
     "modalities": (lambda v: v == ["text"], "modalities other than [\"text\"] are not supported"),
 }
 
@@ -447,10 +449,14 @@ class Server:
         try:
             if self.args.load_delay:
                 time.sleep(self.args.load_delay)
+            import torch
+
             from models import load_model
 
             from .loop import generate
 
+            if self.args.threads:
+                torch.set_num_threads(self.args.threads)
             t0 = time.perf_counter()
             model = load_model(self.model_dir, dtype=self.args.dtype, device=_device(self.args.device))
             generate(model, [self.tok.encode("a") or [self.mc.eos_token_id]], gen_length=1, block_length=1)
@@ -805,6 +811,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_decoding_flags(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", type=int, help="torch CPU threads of the worker (default: torch's; on a shared "
+                                               "CPU 1 is often fastest)")
     p.add_argument("--chat-template", help="Jinja chat template (a file, or the template text) for a checkpoint "
                                            "without one, or to replace its own")
     p.add_argument("--max-batch", type=int, default=32, help="most requests decoded together (1: one at a time)")
@@ -829,6 +837,8 @@ def _main(args) -> int:
         raise InputError("--max-batch and --max-queue must be >= 1")
     if not 0 <= args.batch_wait_ms <= 10_000:
         raise InputError("--batch-wait-ms must be in [0, 10000]")
+    if args.threads is not None and args.threads < 1:
+        raise InputError("--threads must be >= 1")
     try:
         import fastapi  # noqa: F401
         import uvicorn

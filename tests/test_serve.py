@@ -53,7 +53,7 @@ class ServerProcess:
         self.log = tmp / f"server-{self.port}.log"
         self.early = []            # (what, status, body) seen before the model was ready
         cmd = [sys.executable, "-m", "engine.serve", "--model", str(MODEL_DIR), "--host", "127.0.0.1",
-               "--port", str(self.port), "--device", "cpu", *flags]
+               "--port", str(self.port), "--device", "cpu", "--threads", "1", *flags]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
 
@@ -94,7 +94,8 @@ class ServerProcess:
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "chat.jinja").write_text(TEMPLATE, encoding="utf-8")
-    main = ServerProcess(tmp, "--method", "confidence", "--threshold", "0.9", "--chat-template", str(tmp / "chat.jinja"))
+    main = ServerProcess(tmp, "--method", "confidence", "--threshold", "0.9",
+                         "--chat-template", str(tmp / "chat.jinja"))
     limited = ServerProcess(tmp, "--max-batch", "1", "--max-queue", "1", "--load-delay", "3")
     try:
         main.wait_ready()
@@ -287,7 +288,8 @@ CHAT_BAD = [
     ({"messages": []}, 400, "non-empty list"),
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, "role 'tool'"),
     ({"messages": [{"role": "user", "content": 3}]}, 400, "string content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "text content"),
     ({"messages": [{"role": "user", "content": "  "}]}, 400, "empty"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400, "unknown field 'prompt'"),
@@ -301,7 +303,8 @@ def _check_error(r, status, words):
     assert "\n" not in err["message"] and words in err["message"], err
 
 
-@pytest.mark.parametrize("change,status,words", BAD, ids=[f"{i}:{json.dumps(c)[:40]}" for i, (c, _, _) in enumerate(BAD)])
+@pytest.mark.parametrize("change,status,words", BAD,
+                         ids=[f"{i}:{json.dumps(c)[:40]}" for i, (c, _, _) in enumerate(BAD)])
 def test_bad_completion_request(server, change, status, words):
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, **change}
     body = {k: v for k, v in body.items() if v is not None or k == "prompt"}
@@ -345,7 +348,8 @@ def test_concurrent_load_is_batched_and_batch_invariant(server, engine_ref):
             r = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, extra_body=opts)
             return r.choices[0].text, r.usage.batch_size
         pieces, _, usage = _stream_text(client.completions.create(
-            model=NAME, prompt=prompt, max_tokens=32, extra_body=opts, stream=True, stream_options={"include_usage": True}))
+            model=NAME, prompt=prompt, max_tokens=32, extra_body=opts, stream=True,
+            stream_options={"include_usage": True}))
         return "".join(pieces), usage.batch_size
 
     with ThreadPoolExecutor(8) as pool:
