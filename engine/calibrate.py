@@ -137,14 +137,14 @@ def _run(args) -> int:
         raise InputError(f"--depth must be >= 1, got {args.depth}")
     if args.nodes < 1:
         raise InputError(f"--nodes must be >= 1, got {args.nodes}")
+    tok = Tokenizer(args.model)
+    prompts = _read_prompts(args.prompts, tok)
     out = Path(args.out)                          # checked before any decoding
     if out.is_dir() or (out.exists() and not args.overwrite):
         raise InputError(f"--out {out} exists; pass --overwrite to replace it" if not out.is_dir()
                          else f"--out {out} is a directory; give a file path")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise InputError(f"--out {out}: its directory does not exist or is not writable")
-    tok = Tokenizer(args.model)
-    prompts = _read_prompts(args.prompts, tok)
     model = load_model(args.model, dtype=args.dtype)
     freq = record_reveal_sets(model, prompts, cfg, args.depth)
     graph = select_nodes(freq, args.nodes)

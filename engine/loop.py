@@ -29,7 +29,7 @@ from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts
 from .progress import apply_stopping, guard_progress, raise_failure
 from .policies import rank_of
-from .results import SequenceResult, StreamUpdate, aggregate, collect_results
+from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
 from .state import Batch, BlockRun
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
@@ -207,25 +207,10 @@ class Decoder:
         sent = [0] * len(prompts)
         with torch.no_grad():
             for _, run in self._decode(batch):
-                yield StreamUpdate(self._final_pieces(batch, run, sent))
+                yield StreamUpdate(final_pieces(batch, run, self.mc.mask_token_id, sent))
         results = collect_results(batch, self.dc.block_length, time.perf_counter() - t0)
         pieces = [r.token_ids[n:] for r, n in zip(results, sent)]
         yield StreamUpdate(pieces, results)
-
-    def _final_pieces(self, batch: Batch, run: BlockRun, sent: list[int]) -> list[list[int]]:
-        """Tokens of every sequence that are final now and were not sent yet (updates `sent`)."""
-        P = batch.prompt_width
-        gen, stop_at = batch.x[:, P:].clone(), batch.stop_at.clone()
-        gen[run.seqs], stop_at[run.seqs] = run.x[:, P:], run.stop_at    # the open block's rows
-        G = gen.shape[1]
-        masked = gen == self.mc.mask_token_id
-        first_masked = torch.where(masked, torch.arange(G, device=gen.device), G).min(-1).values
-        final = torch.where(stop_at >= 0, torch.minimum(first_masked, stop_at + 1), first_masked).tolist()
-        pieces = []
-        for b, n in enumerate(final):
-            pieces.append(gen[b, sent[b]:n].tolist() if n > sent[b] else [])
-            sent[b] = max(sent[b], n)
-        return pieces
 
     @torch.no_grad()
     def generate(self, prompts) -> list[SequenceResult]:

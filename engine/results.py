@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class SequenceResult:
@@ -71,3 +73,20 @@ def collect_results(batch, block_length: int, seconds: float) -> list[SequenceRe
             commit_source=c_src[b, :n].tolist(), commit_block=[i // block_length for i in range(n)],
             accepted_depth={d: int(c) for d, c in enumerate(depth_hist[b].tolist()) if c}))
     return out
+
+
+def final_pieces(batch, run, mask_id: int, sent: list[int]) -> list[list[int]]:
+    """Tokens of every sequence that are final now and were not sent yet (updates `sent`): the
+    generation up to its first masked position, or up to its stop token. Reads back [B] lengths
+    and the new tokens (streaming only; generate never calls this)."""
+    P = batch.prompt_width
+    gen, stop_at = batch.x[:, P:].clone(), batch.stop_at.clone()
+    gen[run.seqs], stop_at[run.seqs] = run.x[:, P:], run.stop_at    # the open block's rows
+    G = gen.shape[1]
+    first_masked = torch.where(gen == mask_id, torch.arange(G, device=gen.device), G).min(-1).values
+    final = torch.where(stop_at >= 0, torch.minimum(first_masked, stop_at + 1), first_masked).tolist()
+    pieces = []
+    for b, n in enumerate(final):
+        pieces.append(gen[b, sent[b]:n].tolist() if n > sent[b] else [])
+        sent[b] = max(sent[b], n)
+    return pieces
