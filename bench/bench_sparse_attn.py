@@ -34,6 +34,7 @@ Results: CSV with the device name and torch/triton versions (bench/results/bench
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import time
@@ -227,34 +228,32 @@ def time_interleaved(fns: dict, device, repeats: int, rep_ms: float) -> dict[str
     return {n: (statistics.median(t), min(t)) for n, t in times.items()}
 
 
-def run(shapes, drafts, shared, seqs, L, dtype_name, device, repeats, rep_ms=100.0, names=PROVIDERS,
+def run(shapes, drafts, shared, seqs, L, dtype_names, device, repeats, rep_ms=100.0, names=PROVIDERS,
         log=print) -> list[dict]:
-    dtype = DTYPES[dtype_name]
     results = []
-    for shape_name, (H, Hkv, D) in shapes:
-        for K in drafts:
-            for S in shared:
-                case = make_case(seqs, K, H, Hkv, L, S, D, dtype, device)
-                fns, skipped = providers(case, device, names)
-                for name, why in skipped.items():
-                    log(f"skip {name} ({shape_name}, K={K}, S={S}): {why}")
-                want = reference_provider(*case)().float()
-                errs, mems = {}, {}
-                for name, fn in list(fns.items()):
-                    try:
-                        errs[name] = (fn().float() - want).abs().max().item()   # the same attention
-                        mems[name] = peak_memory_mb(fn, device)
-                    except Exception as e:    # noqa: BLE001
-                        log(f"skip {name} ({shape_name}, K={K}, S={S}): {type(e).__name__}: {e}")
-                        del fns[name]
-                timed = time_interleaved(fns, device, repeats, rep_ms)
-                R = seqs * K
-                for name, (ms, ms_min) in timed.items():
-                    results.append(dict(bench="shared_prefix_attention", shape=shape_name, provider=name, seqs=seqs,
-                                        drafts=K, rows=R, heads=H, kv_heads=Hkv, block=L, shared=S, head_dim=D,
-                                        dtype=dtype_name, ms=ms, ms_min=ms_min,
-                                        tflops=flops(R, H, L, S, D) / (ms * 1e-3) / 1e12, mem_mb=mems.get(name),
-                                        max_err=errs.get(name), repeats=repeats if device.type == "cpu" else None))
+    for dtype_name, (shape_name, (H, Hkv, D)), K, S in itertools.product(dtype_names, shapes, drafts, shared):
+        dtype = DTYPES[dtype_name]
+        case = make_case(seqs, K, H, Hkv, L, S, D, dtype, device)
+        fns, skipped = providers(case, device, names)
+        for name, why in skipped.items():
+            log(f"skip {name} ({shape_name}, K={K}, S={S}): {why}")
+        want = reference_provider(*case)().float()
+        errs, mems = {}, {}
+        for name, fn in list(fns.items()):
+            try:
+                errs[name] = (fn().float() - want).abs().max().item()   # the same attention
+                mems[name] = peak_memory_mb(fn, device)
+            except Exception as e:    # noqa: BLE001
+                log(f"skip {name} ({shape_name}, K={K}, S={S}): {type(e).__name__}: {e}")
+                del fns[name]
+        timed = time_interleaved(fns, device, repeats, rep_ms)
+        R = seqs * K
+        for name, (ms, ms_min) in timed.items():
+            results.append(dict(bench="shared_prefix_attention", shape=shape_name, provider=name, seqs=seqs,
+                                drafts=K, rows=R, heads=H, kv_heads=Hkv, block=L, shared=S, head_dim=D,
+                                dtype=dtype_name, ms=ms, ms_min=ms_min,
+                                tflops=flops(R, H, L, S, D) / (ms * 1e-3) / 1e12, mem_mb=mems.get(name),
+                                max_err=errs.get(name), repeats=repeats if device.type == "cpu" else None))
     return results
 
 
@@ -273,7 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--block", type=int, default=None, help="L, positions per draft block")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=None)
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds on CPU (median and min reported)")
     args = ap.parse_args(argv)
@@ -281,7 +280,7 @@ def main(argv=None) -> int:
     drafts = args.drafts or ([1, 4] if q else [1, 2, 4, 8, 16] if gpu else [4, 16])
     shared = args.shared or ([64] if q else [512, 1024, 4096] if gpu else [256, 1024])
     block = args.block or (8 if q else 32)
-    dtype = args.dtype or ("float32" if q else "bfloat16" if gpu else "float32")
+    dtypes = args.dtype or (["float32"] if q else ["bfloat16"] if gpu else ["bfloat16", "float32"])
     repeats = args.repeats or (3 if q else 7)
     if args.shape:
         shapes = [(s, SHAPES[s]) for s in args.shape]
@@ -295,9 +294,10 @@ def main(argv=None) -> int:
         if Hkv < 1 or H % Hkv:
             ap.error(f"{name}: heads {H} must be a multiple of kv heads {Hkv}")
     bench_threads()
-    rows = run(shapes, drafts, shared, args.seqs, block, dtype, device, repeats, 25.0 if q else 100.0,
+    rows = run(shapes, drafts, shared, args.seqs, block, dtypes, device, repeats, 25.0 if q else 100.0,
                tuple(args.providers))
-    print_table(rows, ["shape", "provider", "seqs", "drafts", "shared", "ms", "ms_min", "tflops", "mem_mb", "max_err"])
+    print_table(rows, ["shape", "dtype", "provider", "seqs", "drafts", "shared", "ms", "ms_min", "tflops", "mem_mb",
+                       "max_err"])
     print(f"device: {_common.device_name(device)}")
     print(f"wrote {_common.write_csv('bench_sparse_attn', rows, device)}")
     return 0

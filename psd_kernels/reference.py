@@ -471,19 +471,16 @@ def shared_prefix_attention(
     G = H // Hkv
     GL = G * L
     # float32 math for 16-bit inputs (float64 stays float64): ONE rounding to q's dtype at the
-    # end, as the kernel does; the cast copies each cache row once, never per row
+    # end, as the kernel does; the cast copies each cache row once, never per row. (Few large
+    # ops: on a loaded CPU every parallel op can cost a scheduling slice.)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k_shared, v_shared, k_own, v_own = (t.to(acc) for t in (q, k_shared, v_shared, k_own, v_own))
-    ks = k_shared if k_shared.dim() == 4 else k_shared[None]
-    vs = v_shared if v_shared.dim() == 4 else v_shared[None]
-    # rows of kv head g: [R, H, L, D] -> [R, Hkv, G*L, D] (the G query heads of a group share its keys)
-    qg = q.reshape(R, Hkv, GL, D)
+    qg = q.reshape(R, Hkv, GL, D)   # the G query heads of kv head g share its keys: rows (head-in-group, position)
 
     # Own part: row r's G*L queries of kv head g against its own L keys.
     om = None
     if own_mask is not None:   # [R|1, L, L] -> [R|1, 1, G*L, L]: every head of a group shares the mask
         om = own_mask[:, None, None].expand(own_mask.shape[0], 1, G, L, L).reshape(own_mask.shape[0], 1, GL, L)
-    o_own, lse_own = _attend_lse(qg, k_own, v_own, scale, om)
+    o_own, lse_own = _attend_lse(qg.to(acc), k_own.to(acc), v_own.to(acc), scale, om)
 
     if S == 0 or R == 0:
         o, lse = o_own.reshape(R, H, L, D), lse_own.float().reshape(R, H, L)
@@ -495,17 +492,32 @@ def shared_prefix_attention(
         else:
             plan = (row_map if isinstance(row_map, RowPlan) else plan_rows(row_map, C)).padded()
         n = plan.max_rows
-        q_pad = qg if plan.rect else qg.new_zeros(C * n, Hkv, GL, D).index_copy_(0, plan.slots, qg)
-        q_sh = q_pad.reshape(C, n, Hkv, GL, D).transpose(1, 2).reshape(C, Hkv, n * GL, D)
+        q_sh = torch.empty(C, Hkv, n, GL, D, dtype=acc, device=q.device)
+        if plan.rect:       # rows already [C, n]: permute and cast in one copy
+            q_sh.copy_(qg.view(C, n, Hkv, GL, D).transpose(1, 2))
+        else:               # padding slots see zero queries; their results are never read
+            c_of, j_of = plan.slots // n, plan.slots % n
+            q_sh.zero_()[c_of, :, j_of] = qg.to(acc)
+        ks = k_shared if k_shared.dim() == 4 else k_shared[None]
+        vs = v_shared if v_shared.dim() == 4 else v_shared[None]
         km = None
         if shared_mask is not None:
             km = (shared_mask if shared_mask.dim() == 2 else shared_mask[None])[:, None, None, :]   # [C|1, 1, 1, S]
-        o_sh, lse_sh = _attend_lse(q_sh, ks, vs, scale, km)
-        o_sh = o_sh.view(C, Hkv, n, GL, D).transpose(1, 2).reshape(C * n, Hkv, GL, D)
-        lse_sh = lse_sh.view(C, Hkv, n, GL).transpose(1, 2).reshape(C * n, Hkv, GL)
-        if not plan.rect:
-            o_sh, lse_sh = o_sh.index_select(0, plan.slots), lse_sh.index_select(0, plan.slots)
-        o, lse = _merge(o_sh, lse_sh, o_own, lse_own)
+        o_sh, lse_sh = _attend_lse(q_sh.view(C, Hkv, n * GL, D), ks.to(acc), vs.to(acc), scale, km)
+        o_sh, lse_sh = o_sh.view(C, Hkv, n, GL, D), lse_sh.view(C, Hkv, n, GL)
+        if plan.rect:       # the rows are [C, n]: strided views, no gather
+            rows = (C, n, Hkv, GL)
+            o_sh, lse_sh = o_sh.transpose(1, 2), lse_sh.transpose(1, 2)
+        else:               # one gather of the rows' slots
+            rows = (R, Hkv, GL)
+            o_sh, lse_sh = o_sh[c_of, :, j_of], lse_sh[c_of, :, j_of]
+        o_own, lse_own = o_own.reshape(*rows, D), lse_own.reshape(rows)
+        # merge by log-sum-exp (merge_attention's formula) as ONE pass over the outputs:
+        # out = lerp(own, shared, w) with w = exp(lse_shared - lse), the shared part's weight
+        lse = torch.logaddexp(lse_sh.to(acc), lse_own.to(acc))
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        w_sh = torch.exp(lse_sh.to(acc) - safe)
+        o = torch.lerp(o_own, o_sh, w_sh[..., None])
         o, lse = o.reshape(R, H, L, D), lse.float().reshape(R, H, L)
     o = o.to(out_dtype)
     if out is not None:

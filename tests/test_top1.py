@@ -199,6 +199,76 @@ def test_reference_gumbel_sampling_follows_tempered_softmax():
     torch.testing.assert_close(conf, torch.softmax(kept, -1)[ids])
 
 
+def _textbook_top1(logits, exclude_id=None, *, score="prob", temperature=0.0, noise=None):
+    """The formulation the torch path used before it was reorganised: cast, clone, log-softmax
+    into a new tensor, argmax, gather / exp."""
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(acc)
+    if exclude_id is not None:
+        x = x.clone()
+        x[..., exclude_id] = float("-inf")
+    logp = torch.log_softmax(x, dim=-1)
+    ids = torch.argmax(x / temperature + noise.to(acc), dim=-1) if temperature > 0 else torch.argmax(x, dim=-1)
+    if score == "prob":
+        conf = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).exp()
+    elif score == "margin":
+        top2 = torch.topk(logp.exp(), min(2, x.shape[-1]), dim=-1).values
+        conf = top2[..., 0] - (top2[..., 1] if top2.shape[-1] > 1 else 0.0)
+    else:
+        p = logp.exp()
+        conf = torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    return ids, conf.to(torch.float32) if acc == torch.float32 else conf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("score", ["prob", "margin", "entropy"])
+def test_reference_is_bit_identical_to_the_textbook_formulation(dtype, score):
+    """The torch path's fewer passes do the same arithmetic: the engine's tokens and every
+    confidence comparison are unchanged (exactness tests compare tokens)."""
+    gen = torch.Generator().manual_seed(hash((str(dtype), score)) % 1000)
+    for shape in ((3, 5, 1000), (7, 2), (4, 1), (0, 9), (2, 32000)):
+        x = make_logits(shape, dtype, gen, "cpu")
+        if shape[-1] > 1:
+            x[..., 0] = x[..., 1]                        # ties
+        for exclude in (None, 1 if shape[-1] > 1 else None):
+            for T in (0.0, 0.7):
+                noise = gumbel(shape, gen).double() if T else None
+                got = reference.top1(x, exclude, score=score, temperature=T, noise=noise)
+                want = _textbook_top1(x, exclude, score=score, temperature=T, noise=noise)
+                assert torch.equal(got[0], want[0]) and got[1].dtype == want[1].dtype
+                assert torch.equal(got[1], want[1]), (shape, exclude, T)
+
+
+def test_reference_writes_one_logits_sized_tensor():
+    """Greedy top-1 (the engine's every call) creates one float copy of the logits, not three."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Big(TorchDispatchMode):
+        """Tensors of the logits' size that ops create (an out= or in-place op returns its argument)."""
+
+        def __init__(self):
+            super().__init__()
+            self.created = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and not t._is_view() and t.numel() >= 64 * 500 \
+                        and not any(t is a for a in given):
+                    self.created += 1
+            return out
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = make_logits((64, 500), dtype, torch.Generator().manual_seed(0), "cpu")
+        with Big() as big:
+            reference.top1(x, 3)
+        assert big.created == 1, dtype
+        with Big() as big:
+            _textbook_top1(x, 3)
+        assert big.created == (3 if dtype == torch.bfloat16 else 2)    # cast, clone, log-softmax: the check can fail
+
+
 # ------------------------------------------------------------------------------------------
 # input checks and backend selection
 # ------------------------------------------------------------------------------------------
