@@ -213,8 +213,11 @@ def time_interleaved(fns: dict, device, repeats: int, rep_ms: float) -> dict[str
     if device.type == "cuda":
         import triton.testing
 
-        return {n: (float(triton.testing.do_bench(f, warmup=10, rep=rep_ms, return_mode="median")),
-                    float(triton.testing.do_bench(f, warmup=0, rep=rep_ms, return_mode="min"))) for n, f in fns.items()}
+        out = {}
+        for n, f in fns.items():
+            med, low = triton.testing.do_bench(f, warmup=10, rep=rep_ms, quantiles=[0.5, 0.0])
+            out[n] = (float(med), float(low))
+        return out
     names = list(fns)
     times = {n: [] for n in names}
     for n in names:         # warm-up: first-touch allocation, lazy init
@@ -229,23 +232,36 @@ def time_interleaved(fns: dict, device, repeats: int, rep_ms: float) -> dict[str
 
 
 def run(shapes, drafts, shared, seqs, L, dtype_names, device, repeats, rep_ms=100.0, names=PROVIDERS,
-        log=print) -> list[dict]:
+        log=print, flex_budget_s=20.0, checkpoint=None) -> list[dict]:
+    """Rows of results; `checkpoint(rows)` after every case (a killed run keeps what it measured).
+    FlexAttention compiles once per shape: after `flex_budget_s` seconds spent on it, later
+    cases skip it (and say so)."""
     results = []
+    flex_spent = 0.0
     for dtype_name, (shape_name, (H, Hkv, D)), K, S in itertools.product(dtype_names, shapes, drafts, shared):
         dtype = DTYPES[dtype_name]
         case = make_case(seqs, K, H, Hkv, L, S, D, dtype, device)
-        fns, skipped = providers(case, device, names)
+        use = tuple(n for n in names if n != "flex" or flex_spent < flex_budget_s)
+        if "flex" in names and "flex" not in use:
+            log(f"skip flex ({shape_name}, K={K}, S={S}): its {flex_budget_s:.0f} s budget (compiles) is spent")
+        t_made = time.perf_counter()
+        fns, skipped = providers(case, device, use)
+        if "flex" in fns:             # building the block mask
+            flex_spent += time.perf_counter() - t_made
         for name, why in skipped.items():
             log(f"skip {name} ({shape_name}, K={K}, S={S}): {why}")
         want = reference_provider(*case)().float()
         errs, mems = {}, {}
         for name, fn in list(fns.items()):
+            t0 = time.perf_counter()
             try:
                 errs[name] = (fn().float() - want).abs().max().item()   # the same attention
                 mems[name] = peak_memory_mb(fn, device)
             except Exception as e:    # noqa: BLE001
                 log(f"skip {name} ({shape_name}, K={K}, S={S}): {type(e).__name__}: {e}")
                 del fns[name]
+            if name == "flex":          # the first call compiles
+                flex_spent += time.perf_counter() - t0
         timed = time_interleaved(fns, device, repeats, rep_ms)
         R = seqs * K
         for name, (ms, ms_min) in timed.items():
@@ -254,6 +270,8 @@ def run(shapes, drafts, shared, seqs, L, dtype_names, device, repeats, rep_ms=10
                                 dtype=dtype_name, ms=ms, ms_min=ms_min,
                                 tflops=flops(R, H, L, S, D) / (ms * 1e-3) / 1e12, mem_mb=mems.get(name),
                                 max_err=errs.get(name), repeats=repeats if device.type == "cpu" else None))
+        if checkpoint is not None:
+            checkpoint(results)
     return results
 
 
@@ -275,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=None)
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds on CPU (median and min reported)")
+    ap.add_argument("--flex-budget", type=float, default=20.0,
+                    help="seconds FlexAttention may spend (it compiles per shape); later cases skip it")
     args = ap.parse_args(argv)
     q = args.quick
     drafts = args.drafts or ([1, 4] if q else [1, 2, 4, 8, 16] if gpu else [4, 16])
@@ -295,7 +315,8 @@ def main(argv=None) -> int:
             ap.error(f"{name}: heads {H} must be a multiple of kv heads {Hkv}")
     bench_threads()
     rows = run(shapes, drafts, shared, args.seqs, block, dtypes, device, repeats, 25.0 if q else 100.0,
-               tuple(args.providers))
+               tuple(args.providers), flex_budget_s=args.flex_budget,
+               checkpoint=lambda done: _common.write_csv("bench_sparse_attn", done, device))
     print_table(rows, ["shape", "dtype", "provider", "seqs", "drafts", "shared", "ms", "ms_min", "tflops", "mem_mb",
                        "max_err"])
     print(f"device: {_common.device_name(device)}")

@@ -101,7 +101,7 @@ def plan_rows(row_map, cache_rows, *, backend=None):
     """The ``RowPlan`` of one call's rows (``row_map`` int64 [R]) over ``cache_rows`` cache rows,
     to pass as ``shared_prefix_attention(..., row_map=plan)`` in every layer of the call.
     Computed on the device with no host read for the Triton backend; the reference backend's
-    padded layout reads one int (free on CPU). ``backend=``: as for the kernels."""
+    padded layout reads four ints once (free on CPU). ``backend=``: as for the kernels."""
     b = BACKEND if backend is None else backend
     if b not in _BACKENDS:
         raise ValueError(f"unknown psd_kernels backend {b!r}; expected one of {_BACKENDS}")

@@ -159,7 +159,7 @@ def check(prof: Profile):
 
 
 # syncs per decode step: which rows go on and which drafts are valid (engine loop), plus the
-# reference backend's RowPlan read (one int per cached call) or a block boundary (close + open)
+# reference backend's RowPlan read (one per cached call) or a block boundary (close + open)
 STEP_BOUND = 4
 
 
