@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
-from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, _Parser, guarded
+from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, guarded
 from engine.options import resolve, spellings
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
 
@@ -124,7 +124,7 @@ def format_table(rows: list[dict], header: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = _Parser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--task", default="math", choices=TASKS)
     p.add_argument("--data", help="task data file (default: the shipped bench/data/gsm8k/test.jsonl, "

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 import engine
 from engine import DecodeConfig, Decoder, DraftGraph, InputError
-from models import CheckpointError, Tokenizer, attention_mask, load_model, position_ids
+from engine.cli import resolve_device
+from models import CheckpointError, ModelConfig, Tokenizer, attention_mask, load_model, position_ids
 
 try:
     from lm_eval.api.model import LM
@@ -169,35 +170,14 @@ def decode_options() -> dict[str, DecodeOption]:
     return out
 
 
-def _generation_defaults(model_dir: Path) -> dict:
-    """gen_length / block_length the checkpoint suggests in its generation_config.json, if any
-    (the same defaults `python -m engine.generate` takes)."""
-    f = model_dir / "generation_config.json"
-    try:
-        cfg = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
-    except (OSError, ValueError):
-        cfg = {}
-    if not isinstance(cfg, dict):       # not an object: no suggestion (as engine.generate ignores it)
-        cfg = {}
-    return {k: cfg[k] for k in ("gen_length", "block_length")
-            if isinstance(cfg.get(k), int) and not isinstance(cfg[k], bool) and cfg[k] > 0}
-
-
 def _device(name: str | None, strict: bool) -> str:
-    """A torch device string; `auto` picks CUDA when present. A CUDA device without CUDA is an
-    error when the user named it in model_args (strict), and CPU with a warning when it is
-    lm-eval's --device, whose default is cuda:0 even where no --device was given."""
-    if name is None or name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if str(name).startswith("cuda") and not torch.cuda.is_available():
-        if strict:
-            raise InputError(f"device {name} requested but CUDA is not available")
+    """A torch device string (engine.cli.resolve_device). A CUDA device without CUDA is an error
+    when the user named it in model_args (strict), and CPU with a warning when it is lm-eval's
+    --device, whose default is cuda:0 even where no --device was given."""
+    if not strict and str(name).startswith("cuda") and not torch.cuda.is_available():
         log.warning("lm-eval's --device %s: CUDA is not available, running on cpu", name)
         return "cpu"
-    try:
-        return str(torch.device(name))
-    except RuntimeError:
-        raise InputError(f"unknown device {name!r}") from None
+    return resolve_device("auto" if name is None else str(name))
 
 
 def cut_at_stop(text: str, until) -> str:
@@ -277,7 +257,7 @@ class PsdLM(LM):
         model_dir = Path(m["model"]) if m["model"] is not None else DEFAULT_MODEL_DIR
         if not model_dir.is_dir():
             raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
-        sizes = _generation_defaults(model_dir)
+        sizes = ModelConfig.from_dir(model_dir).generation_defaults
         if "block_length" not in given and "block_length" in sizes:
             given["block_length"] = sizes["block_length"]
         self.explicit_gen_length: int | None = given.get("gen_length")

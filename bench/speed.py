@@ -44,7 +44,7 @@ import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate
 from engine.cache import Window
-from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, _device, _Parser, guarded
+from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, resolve_device, guarded
 from engine.config import check_prompts
 from engine.methods import METHODS
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
@@ -462,8 +462,8 @@ def cost_markdown(curves: list[dict], header: str) -> str:
 
 
 # ---------------------------------------------------------------------- command line
-def build_parser() -> _Parser:
-    p = _Parser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
+def build_parser() -> Parser:
+    p = Parser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory (default: the shipped models/default)")
     src.add_argument("--shape", choices=list(SHAPES),
@@ -552,7 +552,7 @@ def _run(args, argv) -> int:
         torch.set_num_threads(args.threads)
     else:
         bench_threads()
-    device = torch.device(_device(args.device))
+    device = torch.device(resolve_device(args.device))
     dtype = DTYPES[args.dtype]
     random_weights = args.shape is not None
     tok = None

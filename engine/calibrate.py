@@ -111,9 +111,9 @@ def _policy_options() -> list[str]:
 
 
 def main(argv=None) -> int:
-    from .cli import DTYPE_CHOICES, _Parser, add_decoding_flags, guarded
+    from .cli import DTYPE_CHOICES, Parser, add_decoding_flags, guarded
 
-    p = _Parser(prog="python -m engine.calibrate", description="calibrate a draft graph (docs/algorithms.md §4)")
+    p = Parser(prog="python -m engine.calibrate", description="calibrate a draft graph (docs/algorithms.md §4)")
     p.add_argument("--model", required=True)
     p.add_argument("--policy", default="greedy", choices=policy_methods())
     add_decoding_flags(p, _policy_options())

@@ -23,7 +23,7 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default
 DTYPE_CHOICES = [d for d in DTYPES if d != "float16"]      # the kernels' parity dtypes and bf16
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
         self.exit(2, f"error: {message} (see --help)\n")
 
@@ -78,7 +78,7 @@ def guarded(run, *args, errors: tuple = ()) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
     p.add_argument("prompt", nargs="?", help="prompt text, encoded exactly as given; '-' reads stdin; "
                                              "default: the model's sample_prompt.txt")
     p.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
@@ -121,7 +121,8 @@ def _read_prompt(args) -> str:
         raise InputError(f"cannot read prompt file {src}: {e.strerror if isinstance(e, OSError) else e}") from None
 
 
-def _device(name: str):
+def resolve_device(name: str) -> str:
+    """A torch device string from cpu, cuda, cuda:N or auto (CUDA when present); bad names are InputErrors."""
     import torch
 
     if name == "auto":
@@ -139,18 +140,6 @@ def _device(name: str):
     return str(dev)
 
 
-def _generation_defaults(model_dir: Path) -> dict:
-    """gen_length / block_length a checkpoint suggests in its generation_config.json, if any."""
-    f = model_dir / "generation_config.json"
-    try:
-        cfg = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
-    except (OSError, ValueError):
-        cfg = {}
-    if not isinstance(cfg, dict):
-        return {}
-    return {k: cfg[k] for k in ("gen_length", "block_length") if type(cfg.get(k)) is int}
-
-
 def run(args: argparse.Namespace, on_text=None) -> dict:
     """Decode the CLI's prompt; `on_text(piece)`, if given, receives the text as it becomes final."""
     if args.stream and args.json:
@@ -163,7 +152,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
     mc = ModelConfig.from_dir(model_dir)          # cheap checks before the weights are read
-    for name, value in _generation_defaults(model_dir).items():   # the checkpoint's suggestion, if none given
+    for name, value in mc.generation_defaults.items():   # the checkpoint's suggestion, if none given
         if getattr(args, name) is None:
             setattr(args, name, value)
     dc = DecodeConfig(method=args.method, **decoding_options(args)).validate()
@@ -180,7 +169,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     from .loop import Decoder, check_prompts
 
     check_prompts(mc, dc, [tok.encode(text)])
-    device = _device(args.device)
+    device = resolve_device(args.device)
 
     from models import load_model
 

@@ -178,54 +178,63 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
     config = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = Transformer(config)
-    expected = checkpoint_names(config)
     shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    state = {}
+    for fpath, names in _shards(config, path).items():          # one shard open at a time
+        with _safe_open(fpath) as f:
+            held = set(f.keys())
+            for internal, name in names.items():
+                if name not in held:
+                    raise CheckpointError(f"{fpath} does not hold tensor {name}, which {_INDEX} places there")
+                state[internal] = _read_tensor(f, fpath, name, shapes[internal], dtype, device, check_finite)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _shards(config: ModelConfig, path: Path) -> dict[Path, dict[str, str]]:
+    """file -> {internal name: checkpoint name} of every tensor the config expects; an unexpected
+    or missing tensor is an error naming it."""
+    expected = checkpoint_names(config)
     files = _tensor_files(path)
-    ckpt_to_internal = {v: k for k, v in expected.items()}
+    known = set(expected.values())
     for name in files:
-        if name not in ckpt_to_internal and not name.endswith(_IGNORED_SUFFIXES):
+        if name not in known and not name.endswith(_IGNORED_SUFFIXES):
             raise CheckpointError(f"unexpected tensor {name} in {path} for a {config.family} model")
     missing = [v for v in expected.values() if v not in files]
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]} in {path}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-
-    by_file: dict[Path, list[str]] = {}
+    by_file: dict[Path, dict[str, str]] = {}
     for internal, name in expected.items():
-        by_file.setdefault(files[name], []).append(internal)
-    state = {}
-    for fpath, internals in by_file.items():          # one shard open at a time
-        with _safe_open(fpath) as f:
-            held = set(f.keys())
-            for internal in internals:
-                name = expected[internal]
-                where = f"weight {name} ({fpath.name})"
-                if name not in held:
-                    raise CheckpointError(f"{fpath} does not hold tensor {name}, which {_INDEX} places there")
-                try:
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != shapes[internal]:
-                        raise CheckpointError(f"tensor {name} has shape {list(shape)}, the config implies {list(shapes[internal])}")
-                    src = f.get_tensor(name)
-                except CheckpointError:
-                    raise
-                except Exception as e:  # an I/O error or a header the data does not match
-                    raise CheckpointError(f"cannot read {where}: {_one_line(e)}") from None
-                if src.dtype not in _FLOAT_DTYPES:
-                    raise CheckpointError(f"{where} has dtype {_dtype_name(src.dtype)}, expected a floating-point "
-                                          f"tensor ({', '.join(_dtype_name(d) for d in _FLOAT_DTYPES)})")
-                t = src.to(device=device, dtype=dtype)
-                if check_finite:
-                    bad = _nonfinite(t)
-                    if bad and t.dtype != src.dtype and not _nonfinite(src):
-                        big = src.abs().max().item()
-                        raise CheckpointError(f"{where} holds {bad} value(s) that overflow {_dtype_name(dtype)} "
-                                              f"(largest magnitude {big:.3g}); load it as bfloat16 or float32")
-                    if bad:
-                        raise CheckpointError(f"{where} holds {bad} NaN/Inf value(s)")
-                state[internal] = t
-    model.load_state_dict(state, strict=True, assign=True)
-    model.requires_grad_(False)
-    return model.eval()
+        by_file.setdefault(files[name], {})[internal] = name
+    return by_file
+
+
+def _read_tensor(f, fpath: Path, name: str, shape: tuple, dtype: torch.dtype, device, check_finite: bool) -> torch.Tensor:
+    """One tensor of an open shard, checked (shape, floating dtype, finite after conversion)."""
+    where = f"weight {name} ({fpath.name})"
+    try:
+        held = tuple(f.get_slice(name).get_shape())
+        if held != shape:
+            raise CheckpointError(f"tensor {name} has shape {list(held)}, the config implies {list(shape)}")
+        src = f.get_tensor(name)
+    except CheckpointError:
+        raise
+    except Exception as e:  # an I/O error or a header the data does not match
+        raise CheckpointError(f"cannot read {where}: {_one_line(e)}") from None
+    if src.dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f"{where} has dtype {_dtype_name(src.dtype)}, expected a floating-point "
+                              f"tensor ({', '.join(_dtype_name(d) for d in _FLOAT_DTYPES)})")
+    t = src.to(device=device, dtype=dtype)
+    if check_finite:
+        bad = _nonfinite(t)
+        if bad and t.dtype != src.dtype and not _nonfinite(src):
+            big = src.abs().max().item()
+            raise CheckpointError(f"{where} holds {bad} value(s) that overflow {_dtype_name(dtype)} "
+                                  f"(largest magnitude {big:.3g}); load it as bfloat16 or float32")
+        if bad:
+            raise CheckpointError(f"{where} holds {bad} NaN/Inf value(s)")
+    return t
 
 
 def save_checkpoint(model: Transformer, path: str | os.PathLike, shard_bytes: int | None = None,

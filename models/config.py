@@ -56,6 +56,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()   # EOS and every other id that ends a sequence (EOT, ...)
     position_mode: str = "absolute"        # with left padding: "absolute" index or "cumsum" of the mask
+    # gen_length / block_length suggested by generation_config.json: the CLI's, server's and
+    # lm-eval adapter's default canvas sizes when the user gives none
+    generation_defaults: dict = field(default_factory=dict, compare=False)
     extra: dict = field(default_factory=dict, repr=False)  # the source config.json, for writing back
 
     def __post_init__(self):
@@ -129,6 +132,7 @@ class ModelConfig:
                 if t >= vocab:
                     raise CheckpointError(
                         f"{source}: {key} {t} is outside the vocabulary of size {vocab} ({vocab_key})")
+        gen_defaults = {}
         if generation_config is not None:
             g = _Fields(generation_config, gen_source)
             gen_eos = g.token_ids("eos_token_id")
@@ -136,8 +140,8 @@ class ModelConfig:
                 if t >= vocab:
                     raise CheckpointError(f"{gen_source}: eos_token_id {t} is outside the vocabulary of size {vocab} "
                                           f"({vocab_key} of {source})")
-            for key in ("gen_length", "block_length"):     # read by the CLI as default canvas sizes
-                g.pos_int(key, None)
+            suggested = {key: g.pos_int(key, None) for key in ("gen_length", "block_length")}
+            gen_defaults = {k: v for k, v in suggested.items() if v is not None}
             stops += gen_eos
         return cls(
             family=family,
@@ -146,6 +150,7 @@ class ModelConfig:
             eos_token_id=eos_list[0],
             pad_token_id=pad_list[0] if pad_list else None,
             stop_token_ids=tuple(stops),
+            generation_defaults=gen_defaults,
             extra=dict(raw),
             **kw,
         )

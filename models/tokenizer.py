@@ -105,20 +105,25 @@ class Tokenizer:
         ids = [int(i) for i in ids if int(i) >= 0 and self._tok.id_to_token(int(i)) is not None]
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
+    def set_chat_template(self, text: str, source: str) -> None:
+        """Replace the chat template (a server's --chat-template); `source` names it in errors.
+        It is compiled at once, so a broken template fails here with one line."""
+        self.chat_template, self._template_source = text, source
+        self._template = self._compile()
 
-    def apply_chat_template(self, prompt: str) -> str:
-        """The prompt as one user turn of the checkpoint's chat template, ready for generation."""
+    def apply_chat_template(self, conversation: str | list[dict]) -> str:
+        """A conversation through the checkpoint's chat template, ready for generation: a string is
+        one user turn, a list holds {"role", "content"} messages."""
         if not self.chat_template:
             raise CheckpointError("--chat needs a chat_template in tokenizer_config.json, and this checkpoint has none")
         if self._template is None:
             self._template = self._compile()
         if self._template is None:
             raise CheckpointError("--chat needs the jinja2 package (pip install jinja2)")
+        messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
         try:
             return self._template.render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                messages=messages, add_generation_prompt=True,
                 bos_token=self._specials.get("bos_token", ""), eos_token=self._specials.get("eos_token", ""))
         except Exception as e:       # noqa: BLE001 -- raise_exception, undefined names, type errors, sandbox
             # raise_exception(...) raises a plain TemplateError: its text is the template's own message

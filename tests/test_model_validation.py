@@ -250,6 +250,23 @@ def test_chat_template_jinja_file(pristine, tmp_path):
         Tokenizer(d)
 
 
+def test_chat_template_renders_a_conversation_and_can_be_replaced(pristine, tmp_path):
+    """A list of messages goes through the same template; set_chat_template compiles a new one at
+    once (a broken one fails there, naming its source)."""
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "tokenizer_config.json", _set(
+        chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}"))
+    tok = Tokenizer(d)
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "t5"}]
+    assert tok.apply_chat_template(conv) == "<system>be brief<user>t5<assistant>"
+    assert tok.apply_chat_template("t5") == "<user>t5<assistant>"
+    tok.set_chat_template("[{{ messages[-1]['content'] }}]", "the test's template")
+    assert tok.apply_chat_template(conv) == "[t5]"
+    with pytest.raises(CheckpointError, match="the test's template does not compile"):
+        tok.set_chat_template("{% if x %}unclosed", "the test's template")
+
+
 def test_chat_template_runs_sandboxed(pristine, tmp_path):
     """A template is code from the checkpoint: it may not reach Python internals."""
     d = _copy(pristine, tmp_path)

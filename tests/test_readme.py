@@ -105,3 +105,45 @@ def test_server_examples_run_as_written(tmp_path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+
+
+# ---------------------------------------------------------------------- the tree and the API table
+def _section(title: str) -> str:
+    return README.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_layout_names_every_module_and_only_real_files():
+    tree = _section("Layout")
+    named = set(re.findall(r"([\w./-]+\.(?:py|sh|md))\b", tree))
+    for pkg in ("engine", "engine/serve", "models", "psd_kernels", "psd_kernels/ops", "bench", "bench/tasks"):
+        for f in sorted((ROOT / pkg).glob("*.py")):
+            if f.name in ("__init__.py", "__main__.py", "_common.py", "_compile_check.py"):
+                continue
+            if pkg in ("bench/tasks",) and "tasks/" in tree:      # the suites are named as a folder
+                continue
+            assert f.name in named or f"{Path(pkg).name}/{f.name}" in named, f"{pkg}/{f.name} is not in the README's tree"
+    for name in named:
+        hits = [p for p in ROOT.rglob(Path(name).name) if ".git" not in p.parts and "runs" not in p.parts]
+        assert hits, f"the README's tree names {name}, which does not exist"
+
+
+def test_api_tables_name_what_exists():
+    import importlib
+
+    text = _section("Low-level API")
+    paths = set(re.findall(r"`((?:psd_kernels|models|engine)(?:\.\w+)+)", text))
+    paths |= {"psd_kernels." + p for p in re.findall(r"`((?:ops|reference)(?:\.\w+)*)", text)}
+    assert len(paths) >= 15, paths
+    for path in sorted(paths):
+        parts = path.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                assert hasattr(obj, attr), f"the README's API table names {path}, which does not exist"
+                obj = getattr(obj, attr)
+            break
+        else:
+            raise AssertionError(f"the README's API table names {path}, which does not import")

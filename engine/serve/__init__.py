@@ -1,0 +1,34 @@
+"""`python -m engine.serve`: an OpenAI-compatible HTTP server over the decoding engine (docs/serve.md).
+
+    python -m engine.serve --model DIR [decoding options] [--host 127.0.0.1] [--port 8000]
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template, or
+--chat-template), GET /v1/models, GET /health. `stream: true` answers with server-sent events
+in OpenAI's chunk format ending with `data: [DONE]`. Decoding options (method, threshold, depth,
+cache, policy, ...) are taken per request at the top level of the body (where the openai client
+puts `extra_body`) or under a nested `"decoding": {...}` object, checked exactly like the CLI's
+(DecodeConfig.validate); the command line gives the server's defaults.
+
+One worker thread owns the model; the HTTP side is async. Requests that wait while a batch is
+decoding are decoded together in the next batch: the oldest waiting request and every waiting
+request with an equal DecodeConfig (up to --max-batch), as one `Decoder.stream` call.
+
+This package is an optional entry point (`pip install -e .[serve]`): nothing else in the engine
+imports it, and it imports fastapi/uvicorn only when the server is built.
+
+protocol.py  OpenAI errors, request fields, decoding options of a request merged over the defaults
+answer.py    the text of one answer: max_tokens, stop tokens, stop sequences, streamed pieces
+worker.py    the job queue and the one thread that decodes batches
+server.py    the checkpoint, the model loaded in the worker, a request checked into a Spec
+routes.py    the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, SSE
+cli.py       the command line
+"""
+from .answer import Answer
+from .cli import build_parser, main
+from .protocol import ApiError, Spec, merge_options, request_options
+from .routes import build_app
+from .server import Server, render_chat
+from .worker import Job, Scheduler
+
+__all__ = ["Answer", "ApiError", "Job", "Scheduler", "Server", "Spec", "build_app", "build_parser", "main",
+           "merge_options", "render_chat", "request_options"]

@@ -1,0 +1,210 @@
+"""The server's state: the checkpoint's cheap parts (config, tokenizer, defaults) at once, the model
+loaded in the worker thread, and a request checked into a `Spec` (prompt ids, DecodeConfig, cuts)."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from models import CheckpointError, ModelConfig, Tokenizer
+
+from ..cli import DEFAULT_MODEL_DIR, decoding_options, resolve_device
+from ..config import DecodeConfig, check_prompts
+from ..errors import InputError
+from ..options import OPTIONS
+from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, NEUTRAL, ApiError, Spec, bad, int_field, merge_options,
+                       one_line, request_options, stop_field)
+from .worker import Scheduler
+
+
+class Server:
+    """The checkpoint's cheap parts (config, tokenizer, defaults) at once; the model in the background."""
+
+    def __init__(self, args: argparse.Namespace):
+        if args.model is None:
+            args.model = str(DEFAULT_MODEL_DIR)
+        self.model_dir = Path(args.model)
+        if not self.model_dir.is_dir():
+            raise CheckpointError(f"model directory {self.model_dir} does not exist or is not a directory")
+        self.mc = ModelConfig.from_dir(self.model_dir)
+        self.tok = Tokenizer(self.model_dir)
+        if args.chat_template is not None:
+            self._set_chat_template(args.chat_template)
+        self.name = args.served_model_name or self.model_dir.resolve().name
+        opts = decoding_options(args)
+        for name, value in self.mc.generation_defaults.items():   # the checkpoint's suggestion
+            opts.setdefault(name, value)
+        self.defaults = {"method": args.method, **opts}
+        DecodeConfig(**self.defaults).validate()          # bad server flags fail before the server starts
+        self.args = args
+        self.status, self.error = "loading", None
+        self.scheduler = Scheduler(args.max_queue, args.max_batch, args.batch_wait_ms / 1000)
+        self.created = int(time.time())
+        self.exit_code = 0
+
+    def _set_chat_template(self, value: str) -> None:
+        """--chat-template: a file, or the template text itself (compiled now: a broken one fails here)."""
+        path = Path(value)
+        if path.is_file():
+            try:
+                text, source = path.read_text(encoding="utf-8"), f"the chat template {path}"
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"cannot read --chat-template {path}: {e}") from None
+        elif "{{" in value or "{%" in value:
+            text, source = value, "the --chat-template text"
+        else:
+            raise InputError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        self.tok.set_chat_template(text, source)
+
+    def load_and_serve(self, http) -> None:
+        """The worker thread: load the model, warm it up, then decode batches until shutdown."""
+        try:
+            if self.args.load_delay:
+                time.sleep(self.args.load_delay)
+            import torch
+
+            from models import load_model
+
+            from ..loop import generate
+
+            if self.args.threads:
+                torch.set_num_threads(self.args.threads)
+            t0 = time.perf_counter()
+            model = load_model(self.model_dir, dtype=self.args.dtype, device=resolve_device(self.args.device))
+            generate(model, [self.tok.encode("a") or [self.mc.eos_token_id]], gen_length=1, block_length=1)
+            self.model = model
+            print(f"model {self.name} loaded on {model.device} in {time.perf_counter() - t0:.1f} s; ready",
+                  file=sys.stderr, flush=True)
+        except BaseException as e:     # noqa: BLE001 -- reported, then the server stops with status 2
+            self.status, self.error = "failed", one_line(e)
+            print(f"error: {self.error}", file=sys.stderr, flush=True)
+            self.exit_code = 2
+            http.should_exit = True
+            return
+        self.status = "ok"
+        self.scheduler.run(model)
+
+    # ------------------------------------------------------------------ parsing a request
+    def parse(self, body: dict, chat: bool) -> Spec:
+        fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad("model is required (a string; GET /v1/models lists it)", "model")
+        if model != self.name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
+                           "model_not_found", "model")
+        for name, (neutral, message) in NEUTRAL.items():
+            if name in fields and body.get(name) is not None and not neutral(body[name]):
+                raise bad(message, name, "unsupported")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise bad("stream must be a boolean", "stream")
+        so = body.get("stream_options")
+        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}
+                               or not isinstance(so.get("include_usage", False), bool)):
+            raise bad('stream_options must be {"include_usage": true|false}', "stream_options")
+        max_tokens = int_field(body, "max_tokens")
+        if chat:
+            mct = int_field(body, "max_completion_tokens")
+            if mct is not None and max_tokens is not None and mct != max_tokens:
+                raise bad("max_tokens and max_completion_tokens differ", "max_completion_tokens")
+            max_tokens = mct if mct is not None else max_tokens
+        stop = stop_field(body)
+        try:
+            opts = request_options(body, fields)
+            text = self._chat_prompt(body.get("messages")) if chat else None
+            ids = self._chat_ids(text) if chat else self._prompt_ids(body.get("prompt"))
+            config, max_tokens = self._config(opts, max_tokens, len(ids))
+            check_prompts(self.mc, config, [ids])
+        except InputError as e:
+            raise bad(str(e).replace("prompt 0 ", "the prompt ", 1)) from None
+        return Spec(ids, config, max_tokens, stop, bool(stream), bool((so or {}).get("include_usage")), chat)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError("the prompt is empty")
+            return self.tok.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, list) for t in prompt):
+            raise InputError("one prompt per request (send several requests: concurrent requests are batched)")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
+            raise InputError("one prompt per request (send several requests: concurrent requests are batched)")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise InputError("the prompt is empty")
+            return prompt
+        if prompt is None:
+            raise InputError("prompt is required")
+        raise InputError("prompt must be a string or a list of token ids")
+
+    def _chat_prompt(self, messages) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise InputError("messages must be a non-empty list of {\"role\", \"content\"} objects")
+        out = []
+        for n, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise InputError(f"message {n} must be an object with a string role")
+            if m["role"] not in ("system", "developer", "user", "assistant"):
+                raise InputError(f"message {n} has the role {m['role']!r}; this server takes system, developer, "
+                                 f"user and assistant messages")
+            extra = set(m) - {"role", "content", "name"}
+            if extra:
+                raise InputError(f"message {n} has unsupported fields: {', '.join(sorted(extra))}")
+            content = m.get("content")
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise InputError(f"message {n}: only text content parts are supported")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise InputError(f"message {n} must have string content")
+            out.append({"role": m["role"], "content": content})
+        if not any(m["content"].strip() for m in out):
+            raise InputError("the messages are empty")
+        return render_chat(self.tok, out)
+
+    def _chat_ids(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def _config(self, opts: dict, max_tokens: int | None, prompt_len: int) -> tuple[DecodeConfig, int]:
+        """The request's DecodeConfig: gen length = max_tokens rounded up to the block length."""
+        merged = merge_options(self.defaults, opts)
+        block = merged.get("block_length", OPTIONS["block_length"].default)
+        OPTIONS["block_length"].validate(block)
+        room = self.mc.max_length - prompt_len
+        if room < 1:
+            raise InputError(f"the prompt of {prompt_len} tokens leaves no room for an answer within the "
+                             f"model's maximum length {self.mc.max_length}")
+        if "gen_length" in opts:
+            OPTIONS["gen_length"].validate(opts["gen_length"])
+            if max_tokens is None:
+                max_tokens = opts["gen_length"]
+            elif max_tokens > opts["gen_length"]:
+                raise InputError(f"max_tokens {max_tokens} exceeds the requested gen_length {opts['gen_length']}")
+        else:
+            if max_tokens is None:         # the server's gen length, or what fits in the model's length
+                max_tokens = merged.get("gen_length", OPTIONS["gen_length"].default)
+                if math.ceil(max_tokens / block) * block > room and room >= block:
+                    max_tokens = room // block * block
+            merged["gen_length"] = math.ceil(max_tokens / block) * block
+        gen = merged.get("gen_length")
+        if prompt_len + gen > self.mc.max_length:
+            raise InputError(f"the prompt of {prompt_len} tokens plus max_tokens {max_tokens} (decoded as {gen} "
+                             f"tokens, a multiple of the block length {block}) exceeds the model's maximum "
+                             f"length {self.mc.max_length}")
+        return DecodeConfig(**merged).validate(), max_tokens
+
+
+def render_chat(tok: Tokenizer, messages: list[dict]) -> str:
+    """Messages through the checkpoint's chat template, ending with the generation prompt."""
+    if not tok.chat_template:
+        raise InputError("this checkpoint has no chat template; use /v1/completions, or start the server with "
+                         "--chat-template FILE (docs/serve.md)")
+    try:
+        return tok.apply_chat_template(messages)
+    except CheckpointError as e:
+        raise InputError(str(e)) from None

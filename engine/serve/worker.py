@@ -1,0 +1,156 @@
+"""The decoding worker: a bounded queue of jobs and the one thread that owns the model and decodes
+them batch by batch (the oldest waiting job and every waiting job with an equal DecodeConfig)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback
+
+from ..config import DecodeConfig
+from ..errors import InputError
+from ..graph import DraftGraph
+from .protocol import ApiError, Spec
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Job:
+    """One request between the HTTP side (an asyncio queue of events) and the worker thread."""
+
+    def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop):
+        self.spec, self.loop = spec, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False                # the client went away: output is discarded
+        self.submitted = time.perf_counter()
+        self.started = None
+        self.batch_size = 0
+        self.key = _config_key(spec.config)
+
+    def push(self, *event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:                  # the event loop is closed (shutdown)
+            pass
+
+
+def _config_key(dc: DecodeConfig) -> tuple:
+    def freeze(v):
+        return tuple(tuple(sorted(s)) for s in v.nodes) if isinstance(v, DraftGraph) else v
+    return tuple(sorted((k, freeze(v)) for k, v in dc.as_dict().items()))
+
+
+class Scheduler:
+    """A bounded queue of waiting jobs and the one thread that decodes them batch by batch."""
+
+    def __init__(self, max_queue: int, max_batch: int, batch_wait: float = 0.0):
+        self.max_queue, self.max_batch, self.batch_wait = max_queue, max_batch, batch_wait
+        self.cond = threading.Condition()
+        self.waiting: list[Job] = []
+        self.running = 0
+        self.closing = False
+        self.stats = {"requests": 0, "batches": 0, "rows": 0, "largest_batch": 0, "calls": 0, "cancelled": 0,
+                      "aborted_batches": 0, "errors": 0}
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if self.closing:
+                raise ApiError(503, "the server is shutting down", "shutting_down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull()
+            self.waiting.append(job)
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client of `job` went away: drop it if it still waits, else discard its output."""
+        with self.cond:
+            if job.cancelled:
+                return
+            job.cancelled = True
+            self.stats["cancelled"] += 1
+            if job in self.waiting:
+                self.waiting.remove(job)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closing = True
+            for job in self.waiting:
+                job.push("error", ApiError(503, "the server is shutting down", "shutting_down"))
+            self.waiting.clear()
+            self.cond.notify_all()
+
+    def _next_batch(self) -> list[Job] | None:
+        """The oldest waiting job and every waiting job with an equal config (up to max_batch)."""
+        with self.cond:
+            idle = not self.waiting
+            while True:
+                while not self.waiting and not self.closing:
+                    self.cond.wait()
+                if idle and self.batch_wait > 0 and self.max_batch > 1:   # requests sent together start together
+                    self.cond.wait_for(lambda: self.closing or len(self.waiting) >= self.max_batch, self.batch_wait)
+                    idle = False
+                if self.closing:
+                    return None
+                if self.waiting:             # (a waiting client may have gone away meanwhile)
+                    break
+            key = self.waiting[0].key
+            batch = [j for j in self.waiting if j.key == key][:self.max_batch]
+            for j in batch:
+                self.waiting.remove(j)
+            self.running = len(batch)
+            return batch
+
+    def run(self, model) -> None:
+        from ..loop import Decoder
+
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            now = time.perf_counter()
+            for j in batch:
+                j.started, j.batch_size = now, len(batch)
+            st = self.stats
+            st["batches"] += 1
+            st["rows"] += len(batch)
+            st["largest_batch"] = max(st["largest_batch"], len(batch))
+            try:
+                self._decode(Decoder(model, batch[0].spec.config), batch)
+            except InputError as e:
+                for j in batch:
+                    j.push("error", ApiError(400, str(e)))
+            except Exception as e:        # noqa: BLE001 -- the worker survives whatever one batch does
+                st["errors"] += 1
+                traceback.print_exc()
+                for j in batch:
+                    j.push("error", ApiError(500, f"decoding failed: {type(e).__name__}: {e}", "decoding_failed"))
+            finally:
+                st["requests"] += len(batch)
+                self.running = 0
+
+    def _decode(self, decoder, batch: list[Job]) -> None:
+        stream = decoder.stream([j.spec.prompt_ids for j in batch])
+        try:
+            for update in stream:
+                if self.closing:
+                    for j in batch:
+                        j.push("error", ApiError(503, "the server is shutting down", "shutting_down"))
+                    return
+                self.stats["calls"] += update.results is None     # one update per model call, then the end
+                live = False
+                for j, piece in zip(batch, update.pieces):
+                    if not j.cancelled:
+                        live = True
+                        if piece:
+                            j.push("tokens", piece)
+                if update.results is not None:
+                    for j, res in zip(batch, update.results):
+                        if not j.cancelled:
+                            j.push("done", res)
+                elif not live:                # every client of the batch went away: stop decoding it
+                    self.stats["aborted_batches"] += 1
+                    return
+        finally:
+            stream.close()
