@@ -24,6 +24,12 @@ DTYPE_CHOICES = [d for d in DTYPES if d != "float16"]      # the kernels' parity
 
 
 class Parser(argparse.ArgumentParser):
+    """One-line errors; no abbreviated flags (`--prompt` must not silently mean `--prompt-file`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
         self.exit(2, f"error: {message} (see --help)\n")
 

@@ -124,14 +124,14 @@ class Decoder:
         """Stage 1: the policy commits on the latest verifier output; returns the masks [S, W]."""
         blk = run.block()
         masked = blk == self.mc.mask_token_id
-        was_pending = run.pending.clone()
+        was_pending, may_idle = run.pending.clone(), self.policy.may_idle(run.step)
         commit = self.policy.select(run.conf, masked, run.step) & run.pending[:, None]
         run.x[:, run.win.lo:run.win.hi] = torch.where(commit, run.pred, blk)
         run.commit_call = torch.where(commit, run.calls[:, None], run.commit_call)
         run.commit_step = torch.where(commit, run.step[:, None], run.commit_step)
         run.step = run.step + run.pending.long()
         masked_after = apply_stopping(run, self.stop_ids, self.mc.mask_token_id)
-        guard_progress(run, was_pending, masked, masked_after)
+        guard_progress(run, was_pending, masked, masked_after, may_idle)
         return masked_after
 
     def _draft(self, run: BlockRun, act: torch.Tensor, masked: torch.Tensor):

@@ -18,8 +18,14 @@ import torch.nn.functional as F
 import psd_kernels
 
 from .errors import InputError
+from .options import Option
 
 NEG_INF = float("-inf")
+SCHEDULES = ("llada", "dream")
+
+
+def _unit_open(label, v):
+    return None if 0.0 < v < 1.0 else f"{label} {v} is outside (0, 1)"
 
 
 def masked_conf(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
@@ -85,6 +91,11 @@ class Policy:
     def select(self, conf: torch.Tensor, masked: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def may_idle(self, step: torch.Tensor) -> torch.Tensor:
+        """Rows [R] whose step may commit nothing without that being a failure (none by default:
+        a policy commits at least one masked position per step, §2)."""
+        return torch.zeros_like(step, dtype=torch.bool)
+
     def describe(self) -> str:
         return self.name
 
@@ -97,34 +108,63 @@ class Greedy(Policy):
         return _top1_mask(conf, masked)
 
 
+def dream_transfer_count(n_masked: torch.Tensor, step: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+    """Dream's `diffusion_generate` schedule: at step i of `steps` on the grid t = linspace(1, eps,
+    steps + 1), int(n * (1 - t[i+1] / t[i])) of the n still-masked positions (float32 arithmetic,
+    as Dream computes it), and every remaining one at the last step. May be 0."""
+    t = torch.linspace(1, eps, steps + 1, device=n_masked.device)
+    i = step.clamp(max=steps - 1)
+    k = (n_masked.float() * (1 - t[i + 1] / t[i])).long()
+    return torch.where(i >= steps - 1, n_masked, k)
+
+
 @dataclass(frozen=True)
 class TopK(Policy):
-    """LLaDA reference schedule: k_t tokens at step t of the block (at least one)."""
+    """A fixed number of tokens per step, the most confident first. Schedule `llada`: LLaDA's even
+    split of the block over its steps (at least one per step). Schedule `dream`: Dream's
+    int(n·(1 − s/t)) on a linspace(1, eps) grid, which may commit nothing at a step (a call is
+    still made, as in Dream's sampler); the step count bounds it, so it cannot stall."""
 
     block_len: int
     steps_per_block: int
+    schedule: str = "llada"
+    eps: float = 1e-3
     name = "topk"
-    params = {"steps": "steps_per_block"}
+    params = {"steps": "steps_per_block", "schedule": "schedule", "eps": "eps"}
+    declares = (Option("schedule", str, "tokens per step: llada (even split, at least one) or dream "
+                       "(int(n·(1 − s/t)) on a linspace(1, eps) grid, Dream's sampler)", choices=SCHEDULES),
+                Option("eps", float, "the end of Dream's time grid (schedule dream)", check=_unit_open))
 
     @classmethod
     def from_config(cls, cfg):
         steps = cfg.gen_length if cfg.steps is None else cfg.steps
-        return cls(cfg.block_length, steps // cfg.num_blocks)
+        extra = {k: v for k, v in (("schedule", cfg.schedule), ("eps", cfg.eps)) if v is not None}
+        return cls(cfg.block_length, steps // cfg.num_blocks, **extra)
 
     @classmethod
     def check(cls, cfg):
         steps = cfg.gen_length if cfg.steps is None else cfg.steps
         if steps < cfg.num_blocks or steps % cfg.num_blocks:
             raise InputError(f"steps {steps} must be a positive multiple of the number of blocks {cfg.num_blocks}")
+        if cfg.eps is not None and (cfg.schedule or cls.schedule) != "dream":
+            raise InputError("eps applies to --schedule dream only")
+
+    def may_idle(self, step: torch.Tensor) -> torch.Tensor:
+        """Rows whose step may commit nothing (Dream's schedule before its last step)."""
+        return step < self.steps_per_block - 1 if self.schedule == "dream" else torch.zeros_like(step, dtype=torch.bool)
 
     def select(self, conf, masked, step):
-        sched = torch.tensor(num_transfer_tokens(self.block_len, self.steps_per_block), device=conf.device)
-        k = sched[step.clamp(max=self.steps_per_block - 1)].clamp_min(1)      # [R]
+        if self.schedule == "dream":
+            k = dream_transfer_count(masked.sum(-1), step, self.steps_per_block, self.eps)
+        else:
+            sched = torch.tensor(num_transfer_tokens(self.block_len, self.steps_per_block), device=conf.device)
+            k = sched[step.clamp(max=self.steps_per_block - 1)].clamp_min(1)      # [R]
         ranks, _ = psd_kernels.position_ranks(conf.float(), masked)
         return (ranks < k[:, None]) & masked
 
     def describe(self):
-        return f"topk(steps/block={self.steps_per_block})"
+        sched = "" if self.schedule == "llada" else f",dream eps={self.eps:g}"
+        return f"topk(steps/block={self.steps_per_block}{sched})"
 
 
 @dataclass(frozen=True)

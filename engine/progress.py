@@ -33,12 +33,14 @@ def apply_stopping(run: BlockRun, stop_ids: torch.Tensor, mask_id: int, rows=sli
     return masked
 
 
-def guard_progress(run: BlockRun, was_pending, masked_before, masked_after) -> None:
-    """A row whose latest output holds NaN/Inf, or whose step committed nothing, stops here and
-    fails the run when its block closes (no extra host read per step)."""
+def guard_progress(run: BlockRun, was_pending, masked_before, masked_after, may_idle) -> None:
+    """A row whose latest output holds NaN/Inf, or whose step committed nothing where its policy
+    had to commit (`may_idle` [R]: rows whose policy may skip this step, e.g. Dream's schedule),
+    stops here and fails the run when its block closes (no extra host read per step)."""
     finite = torch.isfinite(run.conf).all(-1)
     why = torch.where(was_pending & ~finite, NONFINITE,
-                      torch.where(was_pending & (masked_before == masked_after).all(-1), NO_PROGRESS, 0))
+                      torch.where(was_pending & ~may_idle & (masked_before == masked_after).all(-1),
+                                  NO_PROGRESS, 0))
     new = (why > 0) & (run.failed == 0)
     run.failed = torch.where(new, why, run.failed)
     run.failed_call = torch.where(new, run.calls, run.failed_call)
