@@ -27,7 +27,8 @@ from .methods import METHODS, policy_methods
 
 
 def record_reveal_sets(model, prompts: list[list[int]], config: DecodeConfig, depth: int, batch: int = 16) -> Counter:
-    """Frequencies of the cumulative rank sets the plain policy reveals in the next 1..depth steps."""
+    """Frequencies of the cumulative rank sets the plain policy reveals in the next 1..depth steps;
+    the root (the empty set) counts the steps observed."""
     freq: Counter = Counter()
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
@@ -39,6 +40,7 @@ def record_reveal_sets(model, prompts: list[list[int]], config: DecodeConfig, de
 
         results = Decoder(model, config, trace=trace).generate(chunk)
         L = config.block_length
+        freq[frozenset()] += len(steps)
         for r, block, t, ranks, pred in steps:
             res = results[r]
             cum: set[int] = set()
@@ -148,8 +150,10 @@ def _run(args) -> int:
     model = load_model(args.model, dtype=args.dtype)
     freq = record_reveal_sets(model, prompts, cfg, args.depth)
     graph = select_nodes(freq, args.nodes)
+    steps = max(freq[frozenset()], 1)       # P(node revealed) per step: the draft budget's prior
     graph.save(args.out, policy=cfg.policy().describe(), depth=args.depth, prompts=len(prompts),
-               observations=sum(freq.values()))
+               observations=sum(v for k, v in freq.items() if k), steps=freq[frozenset()],
+               acceptance=[round(freq[s] / steps, 6) if s else 1.0 for s in graph.nodes])
     print(f"wrote {len(graph)}-node graph (depth {graph.depth}) to {args.out}: {[sorted(s) for s in graph.nodes]}")
     return 0
 

@@ -55,7 +55,7 @@ def add_decoding_flags(p: argparse.ArgumentParser, names=None) -> None:
         choices = o.allowed() or None
         p.add_argument(o.flag, dest=o.name, default=None, choices=choices, help=_option_help(o),
                        type=str if o.kind is DraftGraph else o.kind,
-                       metavar="PATH" if o.kind is DraftGraph else None)
+                       metavar="PATH" if o.kind is DraftGraph else o.metavar)
 
 
 def decoding_options(args: argparse.Namespace, names=None) -> dict:

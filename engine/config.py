@@ -57,6 +57,8 @@ class DecodeConfig:
                                  f"not to {self.method}")
         if self.graph is not None and "depth" in self.given:
             raise InputError("give a draft graph or a depth, not both (the graph fixes the depth)")
+        if self.cost_profile is not None and self.draft_budget != "auto":
+            raise InputError("a cost profile applies to --draft-budget auto only")
         top = max((r for s in self.draft_graph().nodes for r in s), default=-1)
         if top >= self.block_length * self.window_blocks:
             raise InputError(f"the draft graph names rank {top}, but a step ranks at most "

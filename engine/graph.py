@@ -42,6 +42,7 @@ class DraftGraph:
             raise InputError(f"draft graph repeats the node {sorted(dup)}")
         order = sorted(range(len(sets)), key=lambda i: (len(sets[i]), i))   # stable: ties keep file order
         self.nodes: list[frozenset] = [sets[i] for i in order]
+        self.acceptance: list[float] | None = None    # P(node accepted) per step, from calibration
         # parents[k] = indices p with S_p ⊂ S_k (strict subset), in topological order
         self.parents: list[list[int]] = [[p for p in range(k) if self.nodes[p] < self.nodes[k]] for k in range(len(self.nodes))]
 
@@ -65,14 +66,24 @@ class DraftGraph:
             raise InputError(f"draft graph file {path} not found") from None
         except (OSError, ValueError) as e:
             raise InputError(f"cannot read draft graph file {path}: {e}") from None
+        rates = raw.get("acceptance") if isinstance(raw, dict) else None
         if isinstance(raw, dict):
             raw = raw.get("nodes")
         if not isinstance(raw, list):
             raise InputError(f"draft graph file {path} is not a list of rank lists")
-        return cls(raw)
+        graph = cls(raw)
+        if rates is not None:
+            if not (isinstance(rates, list) and len(rates) == len(raw) and
+                    all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1 for a in rates)):
+                raise InputError(f"draft graph file {path}: acceptance must be one rate in [0, 1] per node")
+            by_set = {frozenset(n): float(a) for n, a in zip(raw, rates)}
+            graph.acceptance = [by_set[s] for s in graph.nodes]
+        return graph
 
     def save(self, path: str | Path, **meta) -> None:
         body = {"nodes": [sorted(s) for s in self.nodes], **meta}
+        if self.acceptance is not None and "acceptance" not in meta:
+            body["acceptance"] = self.acceptance
         Path(path).write_text(json.dumps(body) + "\n", encoding="utf-8")
 
     # ---------------------------------------------------------------- views

@@ -25,6 +25,7 @@ import torch
 import psd_kernels
 from models import Transformer, position_ids
 
+from .budget import DraftBudget, make_plan
 from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts
 from .progress import apply_stopping, guard_progress, raise_failure
@@ -38,23 +39,26 @@ __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prom
 class Decoder:
     """Decodes batches of prompts (token id lists) with one model and one `DecodeConfig`."""
 
-    def __init__(self, model: Transformer, config: DecodeConfig | None = None, trace=None):
+    def __init__(self, model: Transformer, config: DecodeConfig | None = None, trace=None, cost_model=None):
         """`trace(rows, block, step, ranks, pred)`, if given, is called after every stage 1 with the
         rows (batch indices) that go on, the block index, the step index just taken, the rank of
         every block position in σ [A, W] (masked positions first) and the predictions [A, W]
-        drafts would use (offline tools such as graph calibration; it may sync freely)."""
+        drafts would use (offline tools such as graph calibration; it may sync freely).
+        `cost_model` (engine.budget.CostModel) fixes the call cost `--draft-budget auto` plans with."""
         self.trace = trace
         self.model = model
         self.mc = model.config
         self.dc = (config or DecodeConfig()).validate()
         self.policy = self.dc.policy()
         self.graph = self.dc.draft_graph()
-        self.select = self.dc.selection(self.policy, self.graph, self.mc.mask_token_id)
         self.cache_mode = CACHE_MODES[self.dc.cache](model)
         dev = model.device
         self.stop_ids = torch.tensor(self.mc.stop_token_ids, device=dev)
-        self.node_ranks = self.graph.node_ranks(dev)                               # [K, D]
-        self.node_size = torch.tensor([len(s) for s in self.graph.nodes], device=dev)
+        selection = lambda g: self.dc.selection(self.policy, g, self.mc.mask_token_id)   # noqa: E731
+        self.full_plan = make_plan(self.graph, list(range(len(self.graph))), selection, dev)  # every node
+        self.budget = None if self.dc.draft_budget != "auto" else DraftBudget(
+            self.graph, selection, dev, cost_model, self.dc.cost_profile,
+            key=(id(model), str(dev), str(model.tok_embeddings.weight.dtype), self.dc.cache, self.dc.block_length))
         self.gen = torch.Generator(device=dev).manual_seed(self.dc.seed)
 
     def check_prompts(self, prompts) -> list[list[int]]:
@@ -85,7 +89,8 @@ class Decoder:
         counts = lambda: torch.zeros(B, dtype=torch.long, device=dev)           # noqa: E731
         per_token = lambda fill: torch.full((B, G), fill, dtype=torch.long, device=dev)  # noqa: E731
         return Batch(x, valid, position_ids(mc, valid), P, counts(), counts(), counts() - 1, per_token(-1),
-                     per_token(-1), per_token(0), torch.zeros(B, self.graph.depth + 1, dtype=torch.long, device=dev))
+                     per_token(-1), per_token(0), torch.zeros(B, self.graph.depth + 1, dtype=torch.long, device=dev),
+                     torch.zeros(B, len(self.graph) + 1, dtype=torch.long, device=dev))
 
     def _open_block(self, batch: Batch, index: int) -> BlockRun | None:
         """The rows that still generate and whose block is not complete (ETE may have filled it),
@@ -102,22 +107,30 @@ class Decoder:
         pred, conf = self._predict(logits)
         S, g0, dev = seqs.numel(), lo - P, x.device
         span = slice(g0, g0 + win.width)
-        return BlockRun(index, seqs, win, x, valid, pos, cache, pred, conf, batch.calls[seqs] + 1,
+        run = BlockRun(index, seqs, win, x, valid, pos, cache, pred, conf, batch.calls[seqs] + 1,
                         batch.rows[seqs] + 1, torch.zeros(S, dtype=torch.long, device=dev),
                         torch.full((S,), -1, dtype=torch.long, device=dev), torch.ones(S, dtype=torch.bool, device=dev),
                         batch.commit_call[seqs, span], batch.commit_step[seqs, span],
                         batch.commit_source[seqs, span], batch.depth_hist[seqs],
-                        torch.zeros(S, dtype=torch.long, device=dev), torch.full((S,), -1, dtype=torch.long, device=dev))
+                        torch.zeros(S, dtype=torch.long, device=dev), torch.full((S,), -1, dtype=torch.long, device=dev),
+                        batch.nodes_hist[seqs], self.full_plan)
+        if self.budget is not None:             # the nodes worth verifying in this block (one read)
+            run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
+                run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
+        return run
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
         if (run.failed > 0).any():                                           # one read per block
             raise_failure(run)
+        if self.budget is not None:          # what this block's plan yielded: tokens, verification calls
+            self.budget.observe_block(run.plan, (run.commit_call >= 0).sum(),
+                                      (run.calls - batch.calls[run.seqs] - 1).sum())
         seqs, span = run.seqs, slice(run.gen_start, run.gen_start + run.win.width)
         batch.x[seqs] = run.x
         batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls, run.rows, run.stop_at
         batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call, run.commit_step
         batch.commit_source[seqs, span] = run.commit_source
-        batch.depth_hist[seqs] = run.depth_hist
+        batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist, run.nodes_hist
 
     # ------------------------------------------------------------------ the three stages
     def _commit(self, run: BlockRun) -> torch.Tensor:
@@ -126,6 +139,8 @@ class Decoder:
         masked = blk == self.mc.mask_token_id
         was_pending, may_idle = run.pending.clone(), self.policy.may_idle(run.step)
         commit = self.policy.select(run.conf, masked, run.step) & run.pending[:, None]
+        if self.budget is not None:
+            self.budget.observe_commit(commit, was_pending)
         run.x[:, run.win.lo:run.win.hi] = torch.where(commit, run.pred, blk)
         run.commit_call = torch.where(commit, run.calls[:, None], run.commit_call)
         run.commit_step = torch.where(commit, run.step[:, None], run.commit_step)
@@ -139,9 +154,10 @@ class Decoder:
         confidence, index ops only), node membership [A, K, W] and valid [A, K] (every rank of the
         node exists this step)."""
         blk, masked = run.block(act), masked[act]
-        if len(self.graph) == 1:
+        if len(run.plan.graph) == 1:
             return blk[:, None], torch.zeros_like(blk, dtype=torch.bool)[:, None], torch.ones_like(masked[:, :1])
-        drafts, valid = psd_kernels.assemble_drafts(blk, masked, run.pred[act], run.conf[act].float(), self.node_ranks)
+        drafts, valid = psd_kernels.assemble_drafts(blk, masked, run.pred[act], run.conf[act].float(),
+                                                    run.plan.node_ranks)
         # a drafted position was masked (mask id) and now holds a prediction (never the mask id)
         return drafts, drafts != blk[:, None], valid
 
@@ -158,14 +174,17 @@ class Decoder:
         pred, conf = self._predict(logits)
         vpred = torch.zeros(A * K, W, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred).view(A, K, W)
         vconf = torch.zeros(A * K, W, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf).view(A, K, W)
-        best, best_step, _ = self.select(drafts, in_node, valid, vpred, vconf, run.step[act])
+        best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act])
+        if self.budget is not None:
+            self.budget.observe(run.plan, accepted, valid)
         ar = torch.arange(A, device=dev)
         kept_in = in_node[ar, best]          # the tokens the kept draft committed (made by the previous call)
         run.commit_call[act] = torch.where(kept_in, run.calls[act, None], run.commit_call[act])
         run.commit_step[act] = torch.where(kept_in, run.step[act, None], run.commit_step[act])
         run.commit_source[act] = torch.where(kept_in, 1, run.commit_source[act])
-        run.depth_hist[act] = run.depth_hist[act].scatter_add(1, self.node_size[best][:, None],
+        run.depth_hist[act] = run.depth_hist[act].scatter_add(1, run.plan.node_size[best][:, None],
                                                               torch.ones_like(best)[:, None])
+        run.nodes_hist[act, K] += 1
         run.calls[act] += 1
         run.rows[act] += valid.sum(-1)
         run.x[act, win.lo:win.hi] = drafts[ar, best]

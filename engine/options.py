@@ -52,6 +52,7 @@ class Option:
     aliases: tuple[str, ...] = ()            # other spellings in method specs (tau, d, w, policy)
     general: bool = False                    # taken by every method (sizes, cache, sampling)
     cli: str = ""                            # the command-line flag, where not --name-dashed
+    metavar: str | None = None               # the flag's value in --help
 
     @property
     def what(self) -> str:
@@ -136,6 +137,11 @@ for _o in (
     Option("depth", int, "depth of the default chain draft graph", 3, "draft depth", check=_at_least(0),
            aliases=("d",)),
     Option("graph", DraftGraph, "draft graph JSON file (a list of rank lists)", label="a draft graph"),
+    Option("draft_budget", str, "all: verify every graph node; auto: per block, the nodes whose expected tokens "
+           "pay for their cost (a measured or --cost-profile cost of one call, online acceptance rates)", "all",
+           "draft budget", choices=("all", "auto")),
+    Option("cost_profile", str, "cost of one call from bench.speed --cost-curve (JSON) instead of measuring it",
+           label="cost profile", metavar="PATH"),
     Option("acceptance", str, "the policy's own criterion, or exact (lossless)", "policy", "acceptance mode",
            choices=ACCEPTANCE),
     Option("k", int, "lopa: branches; ete: blocks per window; fdm: future steps", 3, check=_at_least(1)),

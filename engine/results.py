@@ -22,12 +22,14 @@ class SequenceResult:
     commit_source: list[int]      # per generated token: 0 = stage 1, 1 = an accepted draft
     commit_block: list[int]       # per generated token: its block index
     accepted_depth: dict[int, int] = field(default_factory=dict)  # |S_k*| of the kept node per verification call
+    draft_nodes: dict[int, int] = field(default_factory=dict)     # graph nodes verified (root incl.) per such call
     text: str | None = None
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("text", "token_ids", "calls", "tokens", "tpf", "seconds", "rows_per_call",
                                            "stopped", "commit_call", "commit_step", "commit_source", "commit_block")}
         d["accepted_depth"] = {str(k): v for k, v in sorted(self.accepted_depth.items())}
+        d["draft_nodes"] = {str(k): v for k, v in sorted(self.draft_nodes.items())}
         return d
 
 
@@ -46,13 +48,17 @@ def aggregate(results: list[SequenceResult]) -> dict:
     tokens = sum(r.tokens for r in results)
     rows = sum(r.rows_per_call * r.calls for r in results)
     hist: dict[int, int] = {}
+    nodes: dict[int, int] = {}
     for r in results:
         for d, c in r.accepted_depth.items():
             hist[d] = hist.get(d, 0) + c
+        for n, c in r.draft_nodes.items():
+            nodes[n] = nodes.get(n, 0) + c
     drafted = sum(sum(r.commit_source) for r in results)
     return {"sequences": len(results), "tokens": tokens, "calls": calls, "tpf": tokens / max(calls, 1),
             "rows_per_call": rows / max(calls, 1), "draft_token_share": drafted / max(tokens, 1),
             "accepted_depth": {str(d): c for d, c in sorted(hist.items())},
+            "draft_nodes": {str(n): c for n, c in sorted(nodes.items())},
             "stopped": sum(r.stopped for r in results)}
 
 
@@ -61,7 +67,7 @@ def collect_results(batch, block_length: int, seconds: float) -> list[SequenceRe
     P = batch.prompt_width
     gen, calls, rows, stop_at = batch.x[:, P:].cpu(), batch.calls.cpu(), batch.rows.cpu(), batch.stop_at.cpu()
     c_call, c_step, c_src = batch.commit_call.cpu(), batch.commit_step.cpu(), batch.commit_source.cpu()
-    depth_hist = batch.depth_hist.cpu()
+    depth_hist, nodes_hist = batch.depth_hist.cpu(), batch.nodes_hist.cpu()
     out = []
     for b in range(gen.shape[0]):
         n = int(stop_at[b]) + 1 if stop_at[b] >= 0 else gen.shape[1]
@@ -71,7 +77,8 @@ def collect_results(batch, block_length: int, seconds: float) -> list[SequenceRe
             rows_per_call=int(rows[b]) / max(ncall, 1), stopped=bool(stop_at[b] >= 0),
             commit_call=c_call[b, :n].tolist(), commit_step=c_step[b, :n].tolist(),
             commit_source=c_src[b, :n].tolist(), commit_block=[i // block_length for i in range(n)],
-            accepted_depth={d: int(c) for d, c in enumerate(depth_hist[b].tolist()) if c}))
+            accepted_depth={d: int(c) for d, c in enumerate(depth_hist[b].tolist()) if c},
+            draft_nodes={n: int(c) for n, c in enumerate(nodes_hist[b].tolist()) if c}))
     return out
 
 

@@ -23,6 +23,7 @@ class Batch:
     commit_step: torch.Tensor      # [B, G] its step inside the block
     commit_source: torch.Tensor    # [B, G] 0 = stage 1, 1 = an accepted draft
     depth_hist: torch.Tensor       # [B, D + 1] accepted depth per verification call
+    nodes_hist: torch.Tensor       # [B, K + 1] graph nodes verified per verification call (draft budget)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class BlockRun:
     depth_hist: torch.Tensor       # [S, D + 1]
     failed: torch.Tensor           # [S] 0, or why the row stopped making progress (see Decoder._guard)
     failed_call: torch.Tensor      # [S] the call whose output it could not use, -1 while none
+    nodes_hist: torch.Tensor       # [S, K + 1]
+    plan: object                   # engine.budget.Plan: the draft nodes this block verifies
 
     @property
     def gen_start(self) -> int:
