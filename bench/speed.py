@@ -298,6 +298,14 @@ def random_prompts(mc: ModelConfig, n: int, length: int, seed: int) -> list[list
 
 
 # ---------------------------------------------------------------------- end to end
+def _merge(hists: list[dict]) -> dict:
+    out: dict[str, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
 def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen_length, block_length,
                    repeats, warmup, pbar) -> list[dict]:
     """Decode `prompts` with every method of `plan`, repeats interleaved in rotating order."""
@@ -350,6 +358,8 @@ def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen
             "rows_per_call": rows / max(calls, 1), "ms_per_row": 1e3 * med / max(rows, 1),
             "seq_calls": agg["calls"], "tpf": agg["tpf"], "rows_per_seq_call": agg["rows_per_call"],
             "draft_token_share": agg["draft_token_share"], "peak_mib": max(peaks) if peaks else None,
+            # graph nodes verified per verification call, every repeat (--draft-budget auto: its choices)
+            "draft_nodes": json.dumps(_merge([x["agg"]["draft_nodes"] for x in rs])),
             "vs_greedy_min": g_min, "vs_greedy_median": g_med, "baseline": e["base"],
             "vs_baseline_min": b_min, "vs_baseline_median": b_med,
         })

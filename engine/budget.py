@@ -1,10 +1,13 @@
 """`--draft-budget auto`: before each block, the draft nodes worth verifying (docs/algorithms.md §8).
 
-A `CostModel` gives the milliseconds of one verification call as a function of the canvases it
-holds (rows of the whole batch). It is measured on the decoder's own rows at the first block it
-plans (a few calls of 1..K rows per sequence, the fastest of three each; cached per model, cache
-mode, block length and canvas length, so later decoders of the same shape pay nothing), read
-from a `bench.speed --cost-curve` profile (`--cost-profile PATH`), or given explicitly.
+A `CostModel` (engine/cost.py) gives the milliseconds of one verification call as a function of
+the canvases it holds (rows of the whole batch). It is measured on the decoder's own rows at the
+first block it plans (a few calls of 1..K rows per sequence, the fastest of three each; cached
+per model, cache mode, block length and canvas length, so later decoders of the same shape pay
+nothing) and then scaled per node count by the measured wall time of the blocks decoded with it
+(what a step costs beyond the model call: drafting, selection, bookkeeping); or read from a
+`bench.speed --cost-curve` profile (`--cost-profile PATH`), or given explicitly (both used as they
+are, so the choices are reproducible).
 
 Per graph node k the budget counts how often k was accepted when it was verified and a parent of
 it was accepted: q_k, its conditional acceptance rate, starts from a prior (the calibrated
@@ -22,90 +25,16 @@ block; the per-step bookkeeping stays on the device.
 """
 from __future__ import annotations
 
-import json
-import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from .cost import CostModel, measure
 from .graph import DraftGraph
 
-PROFILE_FORMAT = "psd-cost-profile/1"
 PRIOR_Q, PRIOR_WEIGHT = 0.8, 4.0
-_MEASURED: dict[tuple, "CostModel"] = {}       # measured curves, shared by decoders of one shape
-
-
-class CostModel:
-    """ms of one call holding `n` canvases: piecewise linear through measured points, linear in
-    n (through the last point) beyond them."""
-
-    def __init__(self, canvases, ms, source: str = "given"):
-        pts = sorted(zip(canvases, ms))
-        if not pts or any(n < 1 or not (t > 0 and math.isfinite(t)) for n, t in pts):
-            raise InputError(f"a cost model needs points (canvases >= 1, ms > 0); got {list(zip(canvases, ms))}")
-        self.n = [float(n) for n, _ in pts]
-        self.ms_at = [float(t) for _, t in pts]
-        self.source = source
-
-    def ms(self, n: float) -> float:
-        xs, ys = self.n, self.ms_at
-        if n <= xs[0]:
-            return ys[0]
-        if n >= xs[-1]:
-            return ys[-1] * n / xs[-1]
-        i = next(i for i in range(1, len(xs)) if xs[i] >= n)
-        w = (n - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + w * (ys[i] - ys[i - 1])
-
-    @classmethod
-    def from_profile(cls, path: str | Path, cache: str, block_length: int, prefix: int) -> "CostModel":
-        """The curves of a `bench.speed --cost-curve` profile for this cache mode and block length,
-        at the profiled prefix nearest to `prefix`; points = (batch · rows, ms)."""
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise InputError(f"cost profile {path} not found") from None
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read cost profile {path}: {e}") from None
-        curves = raw.get("curves") if isinstance(raw, dict) else None
-        if not isinstance(curves, list) or (isinstance(raw, dict) and raw.get("format", PROFILE_FORMAT) != PROFILE_FORMAT):
-            raise InputError(f"cost profile {path} is not a {PROFILE_FORMAT} file (bench.speed --cost-curve writes one)")
-        try:
-            fit = [c for c in curves if c["cache"] == cache and c["block_length"] == block_length]
-            have = sorted({(str(c["cache"]), str(c["block_length"])) for c in curves})
-            near = min({c["prefix"] for c in fit}, key=lambda s: abs(math.log(max(s, 1) / max(prefix, 1))),
-                       default=None)
-            pts = [(c["batch"] * r, t) for c in fit if c["prefix"] == near for r, t in zip(c["rows"], c["ms"])]
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"cost profile {path}: every curve needs cache, block_length, prefix, batch, rows "
-                             f"and ms") from None
-        if not fit:
-            raise InputError(f"cost profile {path} has no curve for cache {cache} and block length {block_length} "
-                             f"(it has {', '.join(f'{a}/{b}' for a, b in have) or 'none'})")
-        best: dict[int, float] = {}
-        for n, t in pts:                          # one time per canvas count: the fastest measured
-            best[n] = min(t, best.get(n, float("inf")))
-        return cls(list(best), list(best.values()), f"{path} (prefix {near})")
-
-
-def measure(call, counts: list[int], device, reps: int = 3) -> CostModel:
-    """Time `call(n)` (one model call of n canvases) for every n, interleaved, fastest of `reps`."""
-    best = {n: float("inf") for n in counts}
-    call(counts[0])                                  # warm-up (allocations, kernel choice)
-    for _ in range(reps):
-        for n in counts:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            call(n)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best[n] = min(best[n], (time.perf_counter() - t0) * 1e3)
-    return CostModel(counts, [best[n] for n in counts], "measured")
+_MEASURED: dict[tuple, CostModel] = {}         # measured curves, shared by decoders of one shape
 
 
 @dataclass
@@ -138,6 +67,7 @@ class DraftBudget:
         self.full, self.selection, self.device = graph, selection, device
         self.cost, self.profile, self.key = cost, profile, key
         self.given = cost is not None           # an explicit cost model (tests, callers) is never re-measured
+        self.timed = cost is None and profile is None    # measured costs are corrected by block times
         K = len(graph)
         self.tried = torch.zeros(K, device=device)            # verified with an accepted parent
         self.accepted = torch.zeros(K, device=device)
@@ -151,6 +81,9 @@ class DraftBudget:
         self.size_calls = torch.zeros(K + 1, device=device)   # and the verification calls they took
         self.plans: dict[tuple, Plan] = {}
         self.chosen: list[int] = []                           # nodes chosen per planned block
+        self.actual_ms = [0.0] * (K + 1)                      # per plan size: measured block time ...
+        self.model_ms = [0.0] * (K + 1)                       # ... and what the cost model predicted
+        self._open, self._pending = None, []
 
     # ------------------------------------------------------------------ on the device, per step
     def observe_commit(self, commit: torch.Tensor, pending: torch.Tensor) -> None:
@@ -158,26 +91,35 @@ class DraftBudget:
         self.steps1 += pending.sum()
 
     def observe(self, plan: Plan, accepted: torch.Tensor, valid: torch.Tensor) -> None:
+        if len(plan.graph) == 1:                 # no drafts verified: nothing to learn
+            return
         parent_ok = (accepted.float() @ plan.parents) > 0                       # [A, m]
         self.tried.index_add_(0, plan.index, (parent_ok & valid).float().sum(0))
         self.accepted.index_add_(0, plan.index, (accepted & valid).float().sum(0))
 
     def observe_block(self, plan: Plan, tokens: torch.Tensor, calls: torch.Tensor) -> None:
-        """A block decoded under `plan` committed `tokens` in `calls` verification calls (all rows)."""
+        """A block decoded under `plan` committed `tokens` in `calls` verification calls (all rows);
+        its wall time since `plan` (the caller has synchronised) corrects the cost model."""
         m = len(plan.graph)
         self.size_tokens[m] += tokens
         self.size_calls[m] += calls
+        if self._open is not None:
+            rows, t0 = self._open
+            self._pending.append((m, rows, (time.perf_counter() - t0) * 1e3, calls / max(rows, 1)))
+            self._open = None
 
     # ------------------------------------------------------------------ once per block
     def rates(self) -> tuple[list[float], float, list[float], list[float]]:
         """(q per node, the policy's tokens per step, tokens and calls observed per plan size)."""
         K = len(self.full)
+        pending = [p[3].float().reshape(1) for p in self._pending]
         stats = torch.cat([self.tried, self.accepted, self.tokens1[None], self.steps1[None], self.size_tokens,
-                           self.size_calls]).tolist()
+                           self.size_calls, *pending]).tolist()
         tried, acc = stats[:K], stats[K:2 * K]
+        self._fold_times(stats[len(stats) - len(pending):])
         q = [(acc[k] + PRIOR_WEIGHT * self.prior[k]) / (tried[k] + PRIOR_WEIGHT) for k in range(K)]
         c = stats[2 * K] / stats[2 * K + 1] if stats[2 * K + 1] > 0 else 1.0
-        return q, c, stats[2 * K + 2:3 * K + 3], stats[3 * K + 3:]
+        return q, c, stats[2 * K + 2:3 * K + 3], stats[3 * K + 3:4 * K + 4]
 
     def candidates(self, q: list[float]) -> list[tuple[list[int], float]]:
         """Nested parent-closed sets, one per size, grown by the largest P(k)·Δ; with G(S) and
@@ -216,13 +158,13 @@ class DraftBudget:
         for nodes, gain, _ in cands:
             m = len(nodes)
             tpc = (tokens[m] + PRIOR_WEIGHT * f * (c + gain)) / (calls[m] + PRIOR_WEIGHT)
-            rate = tpc / self.cost.ms(rows * m)
+            rate = tpc / (self.correction(m) * self.cost.ms(rows * m))
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = nodes, rate
         explore, explore_rate = None, best_rate
         for nodes, _, levels in cands:          # larger sets never tried that could pay: try one
             m = len(nodes)
-            optimistic = c * (1 + levels) / self.cost.ms(rows * m)
+            optimistic = c * (1 + levels) / (self.correction(m) * self.cost.ms(rows * m))
             if m > len(best) and calls[m] == 0 and optimistic > explore_rate * (1 + 1e-9):
                 explore, explore_rate = nodes, optimistic
         return sorted(explore or best)
@@ -240,7 +182,26 @@ class DraftBudget:
         key = tuple(nodes)
         if key not in self.plans:
             self.plans[key] = make_plan(self.full, nodes, self.selection, self.device)
+        self._open = (run.seqs.numel(), time.perf_counter())
         return self.plans[key]
+
+    def _fold_times(self, calls_per_row: list[float]) -> None:
+        """Blocks timed since the last plan: measured ms against V · cost(A · m) (V verification
+        calls per row), per size. Their ratio scales the cost model for that size, so what a call
+        costs beyond the model call (drafting, selection, bookkeeping) is counted too."""
+        for (m, rows, ms, _), v in zip(self._pending, calls_per_row):
+            if v > 0 and self.timed:
+                self.actual_ms[m] += ms
+                self.model_ms[m] += v * self.cost.ms(rows * m)
+        self._pending = []
+
+    def correction(self, m: int) -> float:
+        """Measured / modelled call time for size m (the nearest size measured; 1 before any)."""
+        sizes = [s for s in range(1, len(self.model_ms)) if self.model_ms[s] > 0]
+        if not sizes:
+            return 1.0
+        s = min(sizes, key=lambda s: (abs(s - m), -s))
+        return min(4.0, max(0.25, self.actual_ms[s] / self.model_ms[s]))
 
     def _measured(self, run, call) -> CostModel:
         """The measured curve of this shape, extended (measured again) when this batch needs more

@@ -27,6 +27,7 @@ class Window:
     block_length: int
     lo: int                 # canvas index of the block
     width: int              # positions a step may commit: the block, or ETE's several blocks
+    ahead: int = 0          # positions after them a call also predicts (--cross-block: the next block)
 
     @property
     def hi(self) -> int:
@@ -46,7 +47,7 @@ class NoCache:
         """The whole canvas; logits for the window (read at i - logit shift)."""
         idx = torch.arange(x.shape[1], device=x.device)
         return self.model(x, pos, win.mask(self.mc, valid, idx, idx), out_start=win.lo - self.mc.logit_shift,
-                          out_len=win.width, return_kv=return_kv)
+                          out_len=win.width + win.ahead, return_kv=return_kv)
 
     def start(self, x, valid, pos, win: Window):
         return self._full(x, valid, pos, win, False)[0], None

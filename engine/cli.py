@@ -53,6 +53,9 @@ def add_decoding_flags(p: argparse.ArgumentParser, names=None) -> None:
         if names is not None and o.name not in names:
             continue
         choices = o.allowed() or None
+        if o.kind is bool:                 # a switch: given = True
+            p.add_argument(o.flag, dest=o.name, default=None, action="store_const", const=True, help=_option_help(o))
+            continue
         p.add_argument(o.flag, dest=o.name, default=None, choices=choices, help=_option_help(o),
                        type=str if o.kind is DraftGraph else o.kind,
                        metavar="PATH" if o.kind is DraftGraph else o.metavar)

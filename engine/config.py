@@ -57,6 +57,9 @@ class DecodeConfig:
                                  f"not to {self.method}")
         if self.graph is not None and "depth" in self.given:
             raise InputError("give a draft graph or a depth, not both (the graph fixes the depth)")
+        if self.cross_block and self.cache != "none":
+            raise InputError(f"--cross-block needs --cache none (with a {self.cache} cache the next block's first "
+                             f"call also rebuilds the cache)")
         if self.cost_profile is not None and self.draft_budget != "auto":
             raise InputError("a cost profile applies to --draft-budget auto only")
         top = max((r for s in self.draft_graph().nodes for r in s), default=-1)

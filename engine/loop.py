@@ -23,15 +23,17 @@ import time
 import torch
 
 import psd_kernels
-from models import Transformer, position_ids
+from models import Transformer
 
+from .ahead import carry_over, first_output, keep_ahead
 from .budget import DraftBudget, make_plan
 from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts
+from .errors import InputError
 from .progress import apply_stopping, guard_progress, raise_failure
 from .policies import rank_of
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
-from .state import Batch, BlockRun
+from .state import Batch, BlockRun, new_batch
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
 
@@ -52,6 +54,8 @@ class Decoder:
         self.policy = self.dc.policy()
         self.graph = self.dc.draft_graph()
         self.cache_mode = CACHE_MODES[self.dc.cache](model)
+        if self.dc.cross_block and self.mc.attention != "bidirectional":
+            raise InputError("--cross-block needs a bidirectional model (a context-causal block never sees the next)")
         dev = model.device
         self.stop_ids = torch.tensor(self.mc.stop_token_ids, device=dev)
         selection = lambda g: self.dc.selection(self.policy, g, self.mc.mask_token_id)   # noqa: E731
@@ -76,48 +80,40 @@ class Decoder:
                                 temperature=self.dc.temperature, noise=noise)
 
     # ------------------------------------------------------------------ batch and blocks
-    def _new_batch(self, prompts: list[list[int]]) -> Batch:
-        mc, dev, G = self.mc, self.model.device, self.dc.gen_length
-        B, P = len(prompts), max(len(p) for p in prompts)
-        pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
-        x = torch.full((B, P + G), pad, dtype=torch.long, device=dev)
-        valid = torch.zeros(B, P + G, dtype=torch.bool, device=dev)
-        for b, p in enumerate(prompts):
-            x[b, P - len(p):P] = torch.tensor(p, device=dev)
-            valid[b, P - len(p):] = True
-        x[:, P:] = mc.mask_token_id
-        counts = lambda: torch.zeros(B, dtype=torch.long, device=dev)           # noqa: E731
-        per_token = lambda fill: torch.full((B, G), fill, dtype=torch.long, device=dev)  # noqa: E731
-        return Batch(x, valid, position_ids(mc, valid), P, counts(), counts(), counts() - 1, per_token(-1),
-                     per_token(-1), per_token(0), torch.zeros(B, self.graph.depth + 1, dtype=torch.long, device=dev),
-                     torch.zeros(B, len(self.graph) + 1, dtype=torch.long, device=dev))
-
     def _open_block(self, batch: Batch, index: int) -> BlockRun | None:
         """The rows that still generate and whose block is not complete (ETE may have filled it),
         after the block's first call; None if there are none."""
         L, P, N = self.dc.block_length, batch.prompt_width, batch.x.shape[1]
         lo = P + index * L
-        win = Window(P, L, lo, min(self.dc.window_blocks * L, N - lo))   # the block, or ETE's blocks
+        width = min(self.dc.window_blocks * L, N - lo)                     # the block, or ETE's blocks
+        win = Window(P, L, lo, width, L if self.dc.cross_block and lo + width < N else 0)
         todo = (batch.stop_at < 0) & (batch.x[:, lo:lo + L] == self.mc.mask_token_id).any(-1)
         seqs = todo.nonzero()[:, 0]                                        # one sync per block
         if seqs.numel() == 0:
             return None
         x, valid, pos = batch.x[seqs], batch.valid[seqs], batch.pos[seqs]
-        logits, cache = self.cache_mode.start(x, valid, pos, win)
-        pred, conf = self._predict(logits)
+        pred, conf, ahead, cache, fresh = self._first_output(batch, seqs, x, valid, pos, win)
         S, g0, dev = seqs.numel(), lo - P, x.device
         span = slice(g0, g0 + win.width)
-        run = BlockRun(index, seqs, win, x, valid, pos, cache, pred, conf, batch.calls[seqs] + 1,
-                        batch.rows[seqs] + 1, torch.zeros(S, dtype=torch.long, device=dev),
+        run = BlockRun(index, seqs, win, x, valid, pos, cache, pred, conf, batch.calls[seqs] + fresh,
+                        batch.rows[seqs] + fresh, torch.zeros(S, dtype=torch.long, device=dev),
                         torch.full((S,), -1, dtype=torch.long, device=dev), torch.ones(S, dtype=torch.bool, device=dev),
                         batch.commit_call[seqs, span], batch.commit_step[seqs, span],
                         batch.commit_source[seqs, span], batch.depth_hist[seqs],
                         torch.zeros(S, dtype=torch.long, device=dev), torch.full((S,), -1, dtype=torch.long, device=dev),
-                        batch.nodes_hist[seqs], self.full_plan)
+                        batch.nodes_hist[seqs], self.full_plan, *ahead, torch.zeros(S, dtype=torch.bool, device=dev))
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
         return run
+
+    def _first_output(self, batch: Batch, seqs, x, valid, pos, win):
+        """The block's first output (pred, conf [S, W]), its next-block part and cache, and the
+        rows that needed a call for it (engine/ahead.py with --cross-block)."""
+        if self.dc.cross_block:
+            return first_output(self, batch, seqs, x, valid, pos, win)
+        logits, cache = self.cache_mode.start(x, valid, pos, win)
+        return *self._predict(logits), (None, None), cache, 1
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
         if (run.failed > 0).any():                                           # one read per block
@@ -131,6 +127,8 @@ class Decoder:
         batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call, run.commit_step
         batch.commit_source[seqs, span] = run.commit_source
         batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist, run.nodes_hist
+        if self.dc.cross_block:
+            carry_over(batch, run)
 
     # ------------------------------------------------------------------ the three stages
     def _commit(self, run: BlockRun) -> torch.Tensor:
@@ -172,8 +170,8 @@ class Decoder:
         canvases[:, win.lo:win.hi] = drafts.reshape(-1, W)[pair]
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
         pred, conf = self._predict(logits)
-        vpred = torch.zeros(A * K, W, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred).view(A, K, W)
-        vconf = torch.zeros(A * K, W, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf).view(A, K, W)
+        vpred = torch.zeros(A * K, W, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:, :W]).view(A, K, W)
+        vconf = torch.zeros(A * K, W, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:, :W]).view(A, K, W)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act])
         if self.budget is not None:
             self.budget.observe(run.plan, accepted, valid)
@@ -189,6 +187,8 @@ class Decoder:
         run.rows[act] += valid.sum(-1)
         run.x[act, win.lo:win.hi] = drafts[ar, best]
         run.pred[act], run.conf[act], run.step[act] = vpred[ar, best], vconf[ar, best], best_step
+        if win.ahead:              # --cross-block: the kept draft's next-block output, and is it complete?
+            keep_ahead(run, act, pair, best, pred, conf, drafts, self.mc.mask_token_id)
         if K > 1:      # a kept draft changed s: apply the stopping rule again (§3)
             apply_stopping(run, self.stop_ids, self.mc.mask_token_id, act)
 
@@ -222,7 +222,8 @@ class Decoder:
         of a sequence concatenate to exactly its `token_ids`. Reads back [B] values per call."""
         prompts = self.check_prompts(prompts)
         t0 = time.perf_counter()
-        batch = self._new_batch(prompts)
+        batch = new_batch(self.mc, prompts, self.dc.gen_length, self.dc.block_length, self.graph.depth,
+                          len(self.graph), self.model.device)
         sent = [0] * len(prompts)
         with torch.no_grad():
             for _, run in self._decode(batch):
@@ -235,7 +236,8 @@ class Decoder:
     def generate(self, prompts) -> list[SequenceResult]:
         prompts = self.check_prompts(prompts)
         t0 = time.perf_counter()
-        batch = self._new_batch(prompts)
+        batch = new_batch(self.mc, prompts, self.dc.gen_length, self.dc.block_length, self.graph.depth,
+                          len(self.graph), self.model.device)
         for _ in self._decode(batch):
             pass
         return collect_results(batch, self.dc.block_length, time.perf_counter() - t0)

@@ -90,11 +90,11 @@ def _option_graph(cfg) -> DraftGraph:
 
 def _speculative(cfg, policy, graph) -> str:
     shape = f"d={cfg.depth}" if cfg.graph is None else f"graph={len(graph)} nodes,d={graph.depth}"
-    budget = ",auto" if cfg.draft_budget == "auto" else ""
+    budget = (",auto" if cfg.draft_budget == "auto" else "") + (",cross-block" if cfg.cross_block else "")
     return f"{cfg.method}({policy.describe()},{shape},{'exact' if cfg.exact else 'policy'}{budget})"
 
 
-BUDGET = ("draft_budget", "cost_profile")       # engine/budget.py: which drafts pay, per block
+SPECULATION = ("draft_budget", "cost_profile", "cross_block")   # budget.py: which drafts pay; ahead.py: across blocks
 
 
 def _windowed(cfg, policy, graph) -> str:
@@ -106,10 +106,10 @@ for _m in (
     Method("topk", "LLaDA's schedule: k_t tokens at step t", TopK, is_policy=True),
     Method("confidence", "Fast-dLLM: every position with c >= τ (at least one)", Confidence, is_policy=True),
     Method("localleap", "anchors c >= κ and positions with c >= τ within W of one", LocalLeap, is_policy=True),
-    Method("spiffy", "lossless drafts of greedy over a draft graph", Greedy, ("depth", "graph") + BUDGET,
+    Method("spiffy", "lossless drafts of greedy over a draft graph", Greedy, ("depth", "graph") + SPECULATION,
            graph=_option_graph, exact=lambda cfg: True, describe=_speculative),
     Method("psd", "parallel speculative decoding over any policy", None,
-           ("policy_name", "depth", "graph", "acceptance") + BUDGET, graph=_option_graph,
+           ("policy_name", "depth", "graph", "acceptance") + SPECULATION, graph=_option_graph,
            exact=lambda cfg: cfg.acceptance == "exact", describe=_speculative),
     Method("lopa", "k branches, the best mean confidence kept", Confidence, ("k",),
            graph=lambda cfg: DraftGraph([[]] + [[j] for j in range(cfg.k - 1)]), selection=BestScore,

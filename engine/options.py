@@ -69,6 +69,11 @@ class Option:
         """A value from a command-line or method-spec string."""
         if self.kind is DraftGraph:
             return DraftGraph.load(text)
+        if self.kind is bool:
+            word = text.strip().lower()
+            if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise InputError(f"bad value {text!r} for {self.what}: expected true or false")
+            return word in ("1", "true", "yes", "on")
         try:
             return self.kind(text.strip())
         except ValueError:
@@ -142,6 +147,9 @@ for _o in (
            "draft budget", choices=("all", "auto")),
     Option("cost_profile", str, "cost of one call from bench.speed --cost-curve (JSON) instead of measuring it",
            label="cost profile", metavar="PATH"),
+    Option("cross_block", bool, "a verification call also predicts the next block, so a kept draft that "
+           "completes a block saves the next block's first call (cache none, bidirectional models)",
+           label="--cross-block"),
     Option("acceptance", str, "the policy's own criterion, or exact (lossless)", "policy", "acceptance mode",
            choices=ACCEPTANCE),
     Option("k", int, "lopa: branches; ete: blocks per window; fdm: future steps", 3, check=_at_least(1)),

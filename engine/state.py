@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models import position_ids
+
 from .cache import Window
 
 
@@ -24,6 +26,9 @@ class Batch:
     commit_source: torch.Tensor    # [B, G] 0 = stage 1, 1 = an accepted draft
     depth_hist: torch.Tensor       # [B, D + 1] accepted depth per verification call
     nodes_hist: torch.Tensor       # [B, K + 1] graph nodes verified per verification call (draft budget)
+    carry_pred: torch.Tensor       # [B, L] --cross-block: the next block's prediction by the call that
+    carry_conf: torch.Tensor       # [B, L]   completed this one (a kept draft), valid where carry_ok
+    carry_ok: torch.Tensor         # [B] bool
 
 
 @dataclass
@@ -53,6 +58,9 @@ class BlockRun:
     failed_call: torch.Tensor      # [S] the call whose output it could not use, -1 while none
     nodes_hist: torch.Tensor       # [S, K + 1]
     plan: object                   # engine.budget.Plan: the draft nodes this block verifies
+    ahead_pred: torch.Tensor | None = None   # [S, L] --cross-block: the latest output's next-block part
+    ahead_conf: torch.Tensor | None = None
+    carry: torch.Tensor | None = None        # [S] bool: that output is of the completed block
 
     @property
     def gen_start(self) -> int:
@@ -61,3 +69,23 @@ class BlockRun:
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
+
+
+def new_batch(mc, prompts: list[list[int]], gen_length: int, block_length: int, depth: int, nodes: int,
+              device) -> Batch:
+    """Prompts left-padded to one width, then `gen_length` masks; every statistic at zero."""
+    G, B, P = gen_length, len(prompts), max(len(p) for p in prompts)
+    pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
+    x = torch.full((B, P + G), pad, dtype=torch.long, device=device)
+    valid = torch.zeros(B, P + G, dtype=torch.bool, device=device)
+    for b, p in enumerate(prompts):
+        x[b, P - len(p):P] = torch.tensor(p, device=device)
+        valid[b, P - len(p):] = True
+    x[:, P:] = mc.mask_token_id
+
+    def zeros(*shape, dtype=torch.long):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    return Batch(x, valid, position_ids(mc, valid), P, zeros(B), zeros(B), zeros(B) - 1, zeros(B, G) - 1,
+                 zeros(B, G) - 1, zeros(B, G), zeros(B, depth + 1), zeros(B, nodes + 1),
+                 zeros(B, block_length), zeros(B, block_length, dtype=torch.float32), zeros(B, dtype=torch.bool))

@@ -11,7 +11,8 @@ import torch
 
 import engine
 from engine import DecodeConfig, Decoder, DraftGraph, InputError
-from engine.budget import CostModel, DraftBudget
+from engine.budget import DraftBudget
+from engine.cost import CostModel
 from engine.cli import main as cli_main
 from models import load_model
 from models.random_checkpoint import make_checkpoint

@@ -1,0 +1,89 @@
+"""The cost of one model call as a function of the canvases it holds (engine/budget.py uses it).
+
+`CostModel` is piecewise linear through measured points; `measure` times calls of the decoder's
+own rows; `CostModel.from_profile` reads what `python -m bench.speed --cost-curve` writes
+(docs/gpu.md: `{"format": "psd-cost-profile/1", "curves": [{"cache", "block_length", "prefix",
+"batch", "rows", "ms", ...}]}`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+
+PROFILE_FORMAT = "psd-cost-profile/1"
+
+
+class CostModel:
+    """ms of one call holding `n` canvases: piecewise linear through measured points, linear in
+    n (through the last point) beyond them."""
+
+    def __init__(self, canvases, ms, source: str = "given"):
+        pts = sorted(zip(canvases, ms))
+        if not pts or any(n < 1 or not (t > 0 and math.isfinite(t)) for n, t in pts):
+            raise InputError(f"a cost model needs points (canvases >= 1, ms > 0); got {list(zip(canvases, ms))}")
+        self.n = [float(n) for n, _ in pts]
+        self.ms_at = [float(t) for _, t in pts]
+        self.source = source
+
+    def ms(self, n: float) -> float:
+        xs, ys = self.n, self.ms_at
+        if n <= xs[0]:
+            return ys[0]
+        if n >= xs[-1]:
+            return ys[-1] * n / xs[-1]
+        i = next(i for i in range(1, len(xs)) if xs[i] >= n)
+        w = (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+    @classmethod
+    def from_profile(cls, path: str | Path, cache: str, block_length: int, prefix: int) -> "CostModel":
+        """The curves of a `bench.speed --cost-curve` profile for this cache mode and block length,
+        at the profiled prefix nearest to `prefix`; points = (batch · rows, ms)."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise InputError(f"cost profile {path} not found") from None
+        except (OSError, ValueError) as e:
+            raise InputError(f"cannot read cost profile {path}: {e}") from None
+        curves = raw.get("curves") if isinstance(raw, dict) else None
+        if not isinstance(curves, list) or (isinstance(raw, dict) and raw.get("format", PROFILE_FORMAT) != PROFILE_FORMAT):
+            raise InputError(f"cost profile {path} is not a {PROFILE_FORMAT} file (bench.speed --cost-curve writes one)")
+        try:
+            fit = [c for c in curves if c["cache"] == cache and c["block_length"] == block_length]
+            have = sorted({(str(c["cache"]), str(c["block_length"])) for c in curves})
+            near = min({c["prefix"] for c in fit}, key=lambda s: abs(math.log(max(s, 1) / max(prefix, 1))),
+                       default=None)
+            pts = [(c["batch"] * r, t) for c in fit if c["prefix"] == near for r, t in zip(c["rows"], c["ms"])]
+        except (KeyError, TypeError, ValueError):
+            raise InputError(f"cost profile {path}: every curve needs cache, block_length, prefix, batch, rows "
+                             f"and ms") from None
+        if not fit:
+            raise InputError(f"cost profile {path} has no curve for cache {cache} and block length {block_length} "
+                             f"(it has {', '.join(f'{a}/{b}' for a, b in have) or 'none'})")
+        best: dict[int, float] = {}
+        for n, t in pts:                          # one time per canvas count: the fastest measured
+            best[n] = min(t, best.get(n, float("inf")))
+        return cls(list(best), list(best.values()), f"{path} (prefix {near})")
+
+
+def measure(call, counts: list[int], device, reps: int = 3) -> CostModel:
+    """Time `call(n)` (one model call of n canvases) for every n, interleaved, fastest of `reps`."""
+    best = {n: float("inf") for n in counts}
+    call(counts[0])                                  # warm-up (allocations, kernel choice)
+    for _ in range(reps):
+        for n in counts:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            call(n)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[n] = min(best[n], (time.perf_counter() - t0) * 1e3)
+    return CostModel(counts, [best[n] for n in counts], "measured")
