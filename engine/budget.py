@@ -84,6 +84,7 @@ class DraftBudget:
         self.actual_ms = [0.0] * (K + 1)                      # per plan size: measured block time ...
         self.model_ms = [0.0] * (K + 1)                       # ... and what the cost model predicted
         self._open, self._pending = None, []
+        self.row_blocks, self.block_length = 0, 32          # rows × blocks observed; the block length
 
     # ------------------------------------------------------------------ on the device, per step
     def observe_commit(self, commit: torch.Tensor, pending: torch.Tensor) -> None:
@@ -106,6 +107,7 @@ class DraftBudget:
         if self._open is not None:
             rows, t0 = self._open
             self._pending.append((m, rows, (time.perf_counter() - t0) * 1e3, calls / max(rows, 1)))
+            self.row_blocks += rows
             self._open = None
 
     # ------------------------------------------------------------------ once per block
@@ -141,8 +143,9 @@ class DraftBudget:
         return out
 
     def choose(self, rows: int, q: list[float], c: float, tokens=None, calls=None) -> list[int]:
-        """The node set with the most expected tokens per millisecond, tpc / cost(rows · |S|), ties
-        to the smaller set. tpc (tokens per verification call) is what blocks decoded with that
+        """The node set with the most expected tokens per millisecond, ties to the smaller set: per
+        row, a block's first call, cost(rows) over the tokens a block yields, plus a verification
+        call, cost(rows · |S|), over tpc. tpc (tokens per verification call) is what blocks decoded with that
         many nodes committed, blended with the estimate f · (c + G(S)) worth PRIOR_WEIGHT calls,
         f = measured / estimated tokens over the sizes tried (the estimate's shared error). A
         larger set never tried whose optimistic value (every accepted node worth a whole policy
@@ -154,17 +157,23 @@ class DraftBudget:
         # the estimate's error, shared by every size: measured tokens / estimated tokens where tried
         est = sum(calls[len(n)] * (c + g) for n, g, _ in cands)
         f = min(4.0, max(0.25, sum(tokens[len(n)] for n, _, _ in cands) / est)) if est > 0 else 1.0
+        per_block = sum(tokens) / self.row_blocks if self.row_blocks else float(self.block_length)
+        start = self.correction(1) * self.cost.ms(rows) / max(per_block, 1e-9)      # ms per token, every set
+
+        def rate(m, tpc):
+            return 1.0 / (start + self.correction(m) * self.cost.ms(rows * m) / max(tpc, 1e-9))
+
         best, best_rate = [0], -1.0
         for nodes, gain, _ in cands:
             m = len(nodes)
             tpc = (tokens[m] + PRIOR_WEIGHT * f * (c + gain)) / (calls[m] + PRIOR_WEIGHT)
-            rate = tpc / (self.correction(m) * self.cost.ms(rows * m))
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = nodes, rate
+            rate_m = rate(m, tpc)
+            if rate_m > best_rate * (1 + 1e-9):
+                best, best_rate = nodes, rate_m
         explore, explore_rate = None, best_rate
         for nodes, _, levels in cands:          # larger sets never tried that could pay: try one
             m = len(nodes)
-            optimistic = c * (1 + levels) / (self.correction(m) * self.cost.ms(rows * m))
+            optimistic = rate(m, c * (1 + levels))
             if m > len(best) and calls[m] == 0 and optimistic > explore_rate * (1 + 1e-9):
                 explore, explore_rate = nodes, optimistic
         return sorted(explore or best)
@@ -176,6 +185,7 @@ class DraftBudget:
             self.cost = CostModel.from_profile(self.profile, self.key[3], run.win.block_length, run.win.lo)
         elif self.profile is None and not self.given:
             self.cost = self._measured(run, call)
+        self.block_length = run.win.block_length
         q, c, tokens, calls = self.rates()
         nodes = self.choose(run.seqs.numel(), q, c, tokens, calls)
         self.chosen.append(len(nodes))
