@@ -34,6 +34,7 @@ from .cost import CostModel, measure
 from .graph import DraftGraph
 
 PRIOR_Q, PRIOR_WEIGHT = 0.8, 4.0
+MARGIN = 1.05           # a dearer set must promise 5% more tokens per ms: the policy alone is the safe side
 _MEASURED: dict[tuple, CostModel] = {}         # measured curves, shared by decoders of one shape
 
 
@@ -143,7 +144,8 @@ class DraftBudget:
         return out
 
     def choose(self, rows: int, q: list[float], c: float, tokens=None, calls=None) -> list[int]:
-        """The node set with the most expected tokens per millisecond, ties to the smaller set: per
+        """The node set with the most expected tokens per millisecond (a set whose call costs more
+        must promise MARGIN more; ties to the smaller set): per
         row, a block's first call, cost(rows) over the tokens a block yields, plus a verification
         call, cost(rows · |S|), over tpc. tpc (tokens per verification call) is what blocks decoded with that
         many nodes committed, blended with the estimate f · (c + G(S)) worth PRIOR_WEIGHT calls,
@@ -168,13 +170,14 @@ class DraftBudget:
             m = len(nodes)
             tpc = (tokens[m] + PRIOR_WEIGHT * f * (c + gain)) / (calls[m] + PRIOR_WEIGHT)
             rate_m = rate(m, tpc)
-            if rate_m > best_rate * (1 + 1e-9):
+            dearer = self.cost.ms(rows * m) > 1.01 * self.cost.ms(rows * len(best))   # free rows: no margin
+            if rate_m > best_rate * (MARGIN if dearer else 1 + 1e-9):
                 best, best_rate = nodes, rate_m
         explore, explore_rate = None, best_rate
         for nodes, _, levels in cands:          # larger sets never tried that could pay: try one
             m = len(nodes)
             optimistic = rate(m, c * (1 + levels))
-            if m > len(best) and calls[m] == 0 and optimistic > explore_rate * (1 + 1e-9):
+            if m > len(best) and calls[m] == 0 and optimistic > explore_rate * MARGIN:
                 explore, explore_rate = nodes, optimistic
         return sorted(explore or best)
 
