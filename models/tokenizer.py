@@ -105,6 +105,10 @@ class Tokenizer:
         ids = [int(i) for i in ids if int(i) >= 0 and self._tok.id_to_token(int(i)) is not None]
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token string (None if the tokenizer has no such token)."""
+        return self._tok.token_to_id(token)
+
     def set_chat_template(self, text: str, source: str) -> None:
         """Replace the chat template (a server's --chat-template); `source` names it in errors.
         It is compiled at once, so a broken template fails here with one line."""
