@@ -64,10 +64,11 @@ class DraftBudget:
     """Per-block choice of the verified nodes, from a cost model and online acceptance rates."""
 
     def __init__(self, graph: DraftGraph, selection, device, cost: CostModel | None = None,
-                 profile: str | None = None, key: tuple = ()):
+                 profile: str | None = None, cache: str = "none", key: tuple = ()):
+        """`cost` or `profile` fix the cost model; without either it is measured (per `key`, the
+        model's shape) and corrected by block times. `cache` names the cache mode (profile curves)."""
         self.full, self.selection, self.device = graph, selection, device
-        self.cost, self.profile, self.key = cost, profile, key
-        self.given = cost is not None           # an explicit cost model (tests, callers) is never re-measured
+        self.cost, self.profile, self.cache, self.key = cost, profile, cache, key
         self.timed = cost is None and profile is None    # measured costs are corrected by block times
         K = len(graph)
         self.tried = torch.zeros(K, device=device)            # verified with an accepted parent
@@ -107,7 +108,8 @@ class DraftBudget:
         self.size_calls[m] += calls
         if self._open is not None:
             rows, t0 = self._open
-            self._pending.append((m, rows, (time.perf_counter() - t0) * 1e3, calls / max(rows, 1)))
+            if self.timed:
+                self._pending.append((m, rows, (time.perf_counter() - t0) * 1e3, calls / max(rows, 1)))
             self.row_blocks += rows
             self._open = None
 
@@ -124,7 +126,7 @@ class DraftBudget:
         c = stats[2 * K] / stats[2 * K + 1] if stats[2 * K + 1] > 0 else 1.0
         return q, c, stats[2 * K + 2:3 * K + 3], stats[3 * K + 3:4 * K + 4]
 
-    def candidates(self, q: list[float]) -> list[tuple[list[int], float]]:
+    def candidates(self, q: list[float]) -> list[tuple[list[int], float, float]]:
         """Nested parent-closed sets, one per size, grown by the largest P(k)·Δ; with G(S) and
         Σ P(k) (expected accepted nodes)."""
         g = self.full
@@ -184,10 +186,10 @@ class DraftBudget:
     def plan(self, run, call) -> Plan:
         """The nodes block `run` verifies; `call(rows)` runs one verification-shaped call of the
         run's rows `rows` (used to measure the cost where none was given)."""
-        if self.profile is not None and self.cost is None:
-            self.cost = CostModel.from_profile(self.profile, self.key[3], run.win.block_length, run.win.lo)
-        elif self.profile is None and not self.given:
+        if self.timed:
             self.cost = self._measured(run, call)
+        elif self.cost is None:
+            self.cost = CostModel.from_profile(self.profile, self.cache, run.win.block_length, run.win.lo)
         self.block_length = run.win.block_length
         q, c, tokens, calls = self.rates()
         nodes = self.choose(run.seqs.numel(), q, c, tokens, calls)
@@ -203,7 +205,7 @@ class DraftBudget:
         calls per row), per size. Their ratio scales the cost model for that size, so what a call
         costs beyond the model call (drafting, selection, bookkeeping) is counted too."""
         for (m, rows, ms, _), v in zip(self._pending, calls_per_row):
-            if v > 0 and self.timed:
+            if v > 0:
                 self.actual_ms[m] += ms
                 self.model_ms[m] += v * self.cost.ms(rows * m)
         self._pending = []

@@ -7,14 +7,13 @@ own rows; `CostModel.from_profile` reads what `python -m bench.speed --cost-curv
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, read_json
 
 PROFILE_FORMAT = "psd-cost-profile/1"
 
@@ -46,12 +45,7 @@ class CostModel:
         """The curves of a `bench.speed --cost-curve` profile for this cache mode and block length,
         at the profiled prefix nearest to `prefix`; points = (batch · rows, ms)."""
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise InputError(f"cost profile {path} not found") from None
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read cost profile {path}: {e}") from None
+        raw = read_json(path, "cost profile")
         curves = raw.get("curves") if isinstance(raw, dict) else None
         if not isinstance(curves, list) or (isinstance(raw, dict) and raw.get("format", PROFILE_FORMAT) != PROFILE_FORMAT):
             raise InputError(f"cost profile {path} is not a {PROFILE_FORMAT} file (bench.speed --cost-curve writes one)")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, read_json
 
 
 MAX_NODES = 256      # every node is a row of each verification call; more is never a speedup
@@ -60,12 +60,7 @@ class DraftGraph:
     @classmethod
     def load(cls, path: str | Path) -> "DraftGraph":
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise InputError(f"draft graph file {path} not found") from None
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read draft graph file {path}: {e}") from None
+        raw = read_json(path, "draft graph file")
         rates = raw.get("acceptance") if isinstance(raw, dict) else None
         if isinstance(raw, dict):
             raw = raw.get("nodes")

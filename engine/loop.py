@@ -46,7 +46,7 @@ class Decoder:
         rows (batch indices) that go on, the block index, the step index just taken, the rank of
         every block position in σ [A, W] (masked positions first) and the predictions [A, W]
         drafts would use (offline tools such as graph calibration; it may sync freely).
-        `cost_model` (engine.budget.CostModel) fixes the call cost `--draft-budget auto` plans with."""
+        `cost_model` (engine.cost.CostModel) fixes the call cost `--draft-budget auto` plans with."""
         self.trace = trace
         self.model = model
         self.mc = model.config
@@ -61,7 +61,7 @@ class Decoder:
         selection = lambda g: self.dc.selection(self.policy, g, self.mc.mask_token_id)   # noqa: E731
         self.full_plan = make_plan(self.graph, list(range(len(self.graph))), selection, dev)  # every node
         self.budget = None if self.dc.draft_budget != "auto" else DraftBudget(
-            self.graph, selection, dev, cost_model, self.dc.cost_profile,
+            self.graph, selection, dev, cost_model, self.dc.cost_profile, self.dc.cache,
             key=(id(model), str(dev), str(model.tok_embeddings.weight.dtype), self.dc.cache, self.dc.block_length))
         self.gen = torch.Generator(device=dev).manual_seed(self.dc.seed)
 
@@ -80,6 +80,10 @@ class Decoder:
                                 temperature=self.dc.temperature, noise=noise)
 
     # ------------------------------------------------------------------ batch and blocks
+    def _new_batch(self, prompts) -> Batch:
+        return new_batch(self.mc, prompts, self.dc.gen_length, self.dc.block_length, self.graph.depth,
+                         len(self.graph), self.model.device)
+
     def _open_block(self, batch: Batch, index: int) -> BlockRun | None:
         """The rows that still generate and whose block is not complete (ETE may have filled it),
         after the block's first call; None if there are none."""
@@ -108,8 +112,7 @@ class Decoder:
         return run
 
     def _first_output(self, batch: Batch, seqs, x, valid, pos, win):
-        """The block's first output (pred, conf [S, W]), its next-block part and cache, and the
-        rows that needed a call for it (engine/ahead.py with --cross-block)."""
+        """The block's first output (pred, conf [S, W]), its next-block part, cache, and calls made (ahead.py)."""
         if self.dc.cross_block:
             return first_output(self, batch, seqs, x, valid, pos, win)
         logits, cache = self.cache_mode.start(x, valid, pos, win)
@@ -222,8 +225,7 @@ class Decoder:
         of a sequence concatenate to exactly its `token_ids`. Reads back [B] values per call."""
         prompts = self.check_prompts(prompts)
         t0 = time.perf_counter()
-        batch = new_batch(self.mc, prompts, self.dc.gen_length, self.dc.block_length, self.graph.depth,
-                          len(self.graph), self.model.device)
+        batch = self._new_batch(prompts)
         sent = [0] * len(prompts)
         with torch.no_grad():
             for _, run in self._decode(batch):
@@ -236,8 +238,7 @@ class Decoder:
     def generate(self, prompts) -> list[SequenceResult]:
         prompts = self.check_prompts(prompts)
         t0 = time.perf_counter()
-        batch = new_batch(self.mc, prompts, self.dc.gen_length, self.dc.block_length, self.graph.depth,
-                          len(self.graph), self.model.device)
+        batch = self._new_batch(prompts)
         for _ in self._decode(batch):
             pass
         return collect_results(batch, self.dc.block_length, time.perf_counter() - t0)
