@@ -29,19 +29,22 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
+def cpu_model(default: str) -> str:
+    """The CPU's model name from /proc/cpuinfo, or `default` where it has none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{model} ({torch.get_num_threads()} threads)"
+    return default
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model(platform.processor() or platform.machine())} ({torch.get_num_threads()} threads)"
 
 
 def versions() -> dict[str, str]:

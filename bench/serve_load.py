@@ -168,15 +168,9 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 300) ->
 
 
 def hardware() -> str:
-    cpu = platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}"
+    from ._common import cpu_model
+
+    return f"{cpu_model(platform.machine())}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}"
 
 
 def loadavg() -> str:
