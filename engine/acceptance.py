@@ -10,7 +10,10 @@ Inputs shared by every selection:
     valid   [R, K]    bool   node k could be instantiated this step (all its ranks exist)
     vpred, vconf [R, K, L]   the verifier's top-1 and confidence for every node's block
     step    [R]       int64  the root's step index inside the block (topk's schedule)
-Each returns (kept node [R], its step index [R], accepted [R, K]).
+    width   int or None      --cross-block: positions from `width` on are the next block's
+                             (hierarchical selection only; None: every position is the block's)
+Each returns (kept node [R], its step index [R], accepted [R, K]); a kept node holding
+next-block positions reports its step index inside the next block.
 
 The loop sees one interface: a `Selection` is built once per decoder from the method's table
 entry and called with the verifier outputs above, whatever the method.
@@ -31,23 +34,38 @@ def _deepest(accepted: torch.Tensor, node_size: torch.Tensor) -> torch.Tensor:
 
 
 def hierarchical(policy: Policy, graph: DraftGraph, mask_id: int, drafts, in_node, valid, vpred, vconf, step,
-                 exact: bool = False):
+                 exact: bool = False, width: int | None = None):
     """Node k is accepted if some accepted parent p has, for every i in S_k \\ S_p, the drafted
     token equal to the verifier's x̂_{p,i} and i ∈ π(draft_p, out_p) (policy mode), or
-    S_k \\ S_p = π(draft_p, out_p) with all tokens agreeing (exact, lossless mode)."""
+    S_k \\ S_p = π(draft_p, out_p) with all tokens agreeing (exact, lossless mode).
+
+    With `width` (--cross-block, docs/algorithms.md §8) positions from `width` on belong to the
+    next block. There π(draft_p, out_p) is the policy's step on the next block's part of p's
+    output, at p's step inside the next block (0 while p holds none of it), and only where p
+    completes its block (the plain loop enters the next block only then); elsewhere it is empty."""
     R, K, L = drafts.shape
+    W = L if width is None else width
     accepted = torch.zeros(R, K, dtype=torch.bool, device=drafts.device)
     accepted[:, 0] = True
     node_step = step[:, None].repeat(1, K)
+    if W < L:
+        ahead = in_node[:, :, W:].any(-1)                          # [R, K] the node drafts the next block
+        done = (drafts[:, :, :W] != mask_id).all(-1)               # [R, K] its block is complete
     for k in range(1, K):
         acc_k = torch.zeros(R, dtype=torch.bool, device=drafts.device)
         for p in graph.parents[k]:
             new = in_node[:, k] & ~in_node[:, p]
             tok_ok = (~new | (drafts[:, k] == vpred[:, p])).all(-1)
-            commit_p = policy.select(vconf[:, p], drafts[:, p] == mask_id, node_step[:, p])
+            commit_p = policy.select(vconf[:, p, :W], drafts[:, p, :W] == mask_id, node_step[:, p])
+            next_step = node_step[:, p] + 1
+            if W < L:
+                at = torch.where(ahead[:, p], node_step[:, p], 0)
+                nxt = policy.select(vconf[:, p, W:], drafts[:, p, W:] == mask_id, at) & done[:, p, None]
+                commit_p = torch.cat((commit_p, nxt), -1)
+                next_step = torch.where(ahead[:, k], at + 1, next_step)
             crit = (new == commit_p).all(-1) if exact else (~new | commit_p).all(-1)
             ok = accepted[:, p] & valid[:, k] & tok_ok & crit
-            node_step[:, k] = torch.where(ok & ~acc_k, node_step[:, p] + 1, node_step[:, k])
+            node_step[:, k] = torch.where(ok & ~acc_k, next_step, node_step[:, k])
             acc_k |= ok
         accepted[:, k] = acc_k
     node_size = torch.tensor([len(s) for s in graph.nodes], device=drafts.device)
@@ -87,10 +105,11 @@ def best_score(mask_id: int, drafts, valid, vconf, step):
 
 
 class Selection:
-    """`select(drafts, in_node, valid, vpred, vconf, step) -> (kept [R], step of kept [R], accepted [R, K])`.
+    """`select(drafts, in_node, valid, vpred, vconf, step, width=None) -> (kept [R], step of kept [R],
+    accepted [R, K])`.
     `build(cfg, policy, graph, mask_id)` makes one from a decoding config."""
 
-    def __call__(self, drafts, in_node, valid, vpred, vconf, step):
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None):
         raise NotImplementedError
 
 
@@ -104,9 +123,9 @@ class Hierarchical(Selection):
     def build(cls, cfg, policy, graph, mask_id):
         return cls(policy, graph, mask_id, cfg.exact)
 
-    def __call__(self, drafts, in_node, valid, vpred, vconf, step):
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None):
         return hierarchical(self.policy, self.graph, self.mask_id, drafts, in_node, valid, vpred, vconf, step,
-                            exact=self.exact)
+                            exact=self.exact, width=width)
 
 
 class BestScore(Selection):
@@ -119,7 +138,7 @@ class BestScore(Selection):
     def build(cls, cfg, policy, graph, mask_id):
         return cls(mask_id)
 
-    def __call__(self, drafts, in_node, valid, vpred, vconf, step):
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None):
         return best_score(self.mask_id, drafts, valid, vconf, step)
 
 
@@ -135,5 +154,5 @@ class DraftConfidence(Selection):
 
         return cls(Confidence.tau if cfg.threshold is None else cfg.threshold, graph, mask_id)
 
-    def __call__(self, drafts, in_node, valid, vpred, vconf, step):
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None):
         return threshold_only(self.tau, self.graph, self.mask_id, drafts, in_node, valid, vpred, vconf, step)

@@ -25,7 +25,7 @@ import torch
 import psd_kernels
 from models import Transformer
 
-from .ahead import carry_over, first_output, keep_ahead
+from .ahead import carry_over, draft_across, first_output, keep_ahead
 from .budget import DraftBudget, make_plan
 from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts
@@ -96,35 +96,38 @@ class Decoder:
         if seqs.numel() == 0:
             return None
         x, valid, pos = batch.x[seqs], batch.valid[seqs], batch.pos[seqs]
-        pred, conf, ahead, cache, fresh = self._first_output(batch, seqs, x, valid, pos, win)
+        pred, conf, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win)
         S, g0, dev = seqs.numel(), lo - P, x.device
-        span = slice(g0, g0 + win.width)
+        span = slice(g0, g0 + win.width + win.ahead)            # --cross-block: drafts reach the next block
         run = BlockRun(index, seqs, win, x, valid, pos, cache, pred, conf, batch.calls[seqs] + fresh,
-                        batch.rows[seqs] + fresh, torch.zeros(S, dtype=torch.long, device=dev),
+                        batch.rows[seqs] + fresh, step,
                         torch.full((S,), -1, dtype=torch.long, device=dev), torch.ones(S, dtype=torch.bool, device=dev),
                         batch.commit_call[seqs, span], batch.commit_step[seqs, span],
                         batch.commit_source[seqs, span], batch.depth_hist[seqs],
                         torch.zeros(S, dtype=torch.long, device=dev), torch.full((S,), -1, dtype=torch.long, device=dev),
-                        batch.nodes_hist[seqs], self.full_plan, *ahead, torch.zeros(S, dtype=torch.bool, device=dev))
+                        batch.nodes_hist[seqs], self.full_plan, *ahead, torch.zeros(S, dtype=torch.bool, device=dev),
+                        torch.zeros(S, dtype=torch.long, device=dev), fresh.bool())
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
         return run
 
     def _first_output(self, batch: Batch, seqs, x, valid, pos, win):
-        """The block's first output (pred, conf [S, W]), its next-block part, cache, and calls made (ahead.py)."""
+        """The block's first output (pred, conf [S, W]), its next-block part, cache, calls made [S]
+        and the step each row starts at (ahead.py: a draft may have taken steps here already)."""
         if self.dc.cross_block:
             return first_output(self, batch, seqs, x, valid, pos, win)
         logits, cache = self.cache_mode.start(x, valid, pos, win)
-        return *self._predict(logits), (None, None), cache, 1
+        one = torch.ones(len(seqs), dtype=torch.long, device=x.device)
+        return *self._predict(logits), (None, None), cache, one, one - 1
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
         if (run.failed > 0).any():                                           # one read per block
             raise_failure(run)
+        seqs, span = run.seqs, slice(run.gen_start, run.gen_start + run.win.width + run.win.ahead)
         if self.budget is not None:          # what this block's plan yielded: tokens, verification calls
-            self.budget.observe_block(run.plan, (run.commit_call >= 0).sum(),
-                                      (run.calls - batch.calls[run.seqs] - 1).sum())
-        seqs, span = run.seqs, slice(run.gen_start, run.gen_start + run.win.width)
+            tokens = (run.commit_call >= 0).sum() - (batch.commit_call[seqs, span] >= 0).sum()
+            self.budget.observe_block(run.plan, tokens, run.nodes_hist.sum() - batch.nodes_hist[seqs].sum())
         batch.x[seqs] = run.x
         batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls, run.rows, run.stop_at
         batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call, run.commit_step
@@ -142,9 +145,10 @@ class Decoder:
         commit = self.policy.select(run.conf, masked, run.step) & run.pending[:, None]
         if self.budget is not None:
             self.budget.observe_commit(commit, was_pending)
+        W = run.win.width
         run.x[:, run.win.lo:run.win.hi] = torch.where(commit, run.pred, blk)
-        run.commit_call = torch.where(commit, run.calls[:, None], run.commit_call)
-        run.commit_step = torch.where(commit, run.step[:, None], run.commit_step)
+        run.commit_call[:, :W] = torch.where(commit, run.calls[:, None], run.commit_call[:, :W])
+        run.commit_step[:, :W] = torch.where(commit, run.step[:, None], run.commit_step[:, :W])
         run.step = run.step + run.pending.long()
         masked_after = apply_stopping(run, self.stop_ids, self.mc.mask_token_id)
         guard_progress(run, was_pending, masked, masked_after, may_idle)
@@ -153,7 +157,9 @@ class Decoder:
     def _draft(self, run: BlockRun, act: torch.Tensor, masked: torch.Tensor):
         """Stage 2 for the active rows: drafts [A, K, W] (psd_kernels.assemble_drafts: ranks by
         confidence, index ops only), node membership [A, K, W] and valid [A, K] (every rank of the
-        node exists this step)."""
+        node exists this step). With --cross-block, W + L wide (ahead.draft_across)."""
+        if run.win.ahead:
+            return draft_across(run, act, masked, run.plan.node_ranks, self.stop_ids, self.mc.mask_token_id)
         blk, masked = run.block(act), masked[act]
         if len(run.plan.graph) == 1:
             return blk[:, None], torch.zeros_like(blk, dtype=torch.bool)[:, None], torch.ones_like(masked[:, :1])
@@ -165,33 +171,34 @@ class Decoder:
     def _verify(self, run: BlockRun, act: torch.Tensor, drafts, in_node, valid) -> None:
         """Stage 3: one batched call over every valid draft of every active row, then each row
         keeps the draft its method's selection accepts, with that draft's verifier output."""
-        A, K, W = drafts.shape
-        win, dev = run.win, drafts.device
+        A, K, E = drafts.shape                  # E = W, or W + L where drafts reach the next block
+        win, dev, W = run.win, drafts.device, run.win.width
         pair = valid.reshape(-1).nonzero()[:, 0]             # (row, node) pairs to verify
         seq_rows = act[pair // K]                             # the sequence (cache row) of each draft
         canvases = run.x[seq_rows]
-        canvases[:, win.lo:win.hi] = drafts.reshape(-1, W)[pair]
+        canvases[:, win.lo:win.lo + E] = drafts.reshape(-1, E)[pair]
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
         pred, conf = self._predict(logits)
-        vpred = torch.zeros(A * K, W, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:, :W]).view(A, K, W)
-        vconf = torch.zeros(A * K, W, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:, :W]).view(A, K, W)
-        best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act])
+        vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:, :E]).view(A, K, E)
+        vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:, :E]).view(A, K, E)
+        best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W)
         if self.budget is not None:
             self.budget.observe(run.plan, accepted, valid)
         ar = torch.arange(A, device=dev)
         kept_in = in_node[ar, best]          # the tokens the kept draft committed (made by the previous call)
+        first_step = torch.where(torch.arange(E, device=dev) < W, run.step[act, None], 0)   # its first step there
         run.commit_call[act] = torch.where(kept_in, run.calls[act, None], run.commit_call[act])
-        run.commit_step[act] = torch.where(kept_in, run.step[act, None], run.commit_step[act])
+        run.commit_step[act] = torch.where(kept_in, first_step, run.commit_step[act])
         run.commit_source[act] = torch.where(kept_in, 1, run.commit_source[act])
         run.depth_hist[act] = run.depth_hist[act].scatter_add(1, run.plan.node_size[best][:, None],
                                                               torch.ones_like(best)[:, None])
         run.nodes_hist[act, K] += 1
         run.calls[act] += 1
         run.rows[act] += valid.sum(-1)
-        run.x[act, win.lo:win.hi] = drafts[ar, best]
-        run.pred[act], run.conf[act], run.step[act] = vpred[ar, best], vconf[ar, best], best_step
+        run.x[act, win.lo:win.lo + E] = drafts[ar, best]
+        run.pred[act], run.conf[act], run.step[act] = vpred[ar, best, :W], vconf[ar, best, :W], best_step
         if win.ahead:              # --cross-block: the kept draft's next-block output, and is it complete?
-            keep_ahead(run, act, pair, best, pred, conf, drafts, self.mc.mask_token_id)
+            keep_ahead(run, act, best, best_step, vpred, vconf, drafts[ar, best], self.mc.mask_token_id)
         if K > 1:      # a kept draft changed s: apply the stopping rule again (§3)
             apply_stopping(run, self.stop_ids, self.mc.mask_token_id, act)
 

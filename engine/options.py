@@ -147,8 +147,9 @@ for _o in (
            "draft budget", choices=("all", "auto")),
     Option("cost_profile", str, "cost of one call from bench.speed --cost-curve (JSON) instead of measuring it",
            label="cost profile", metavar="PATH"),
-    Option("cross_block", bool, "a verification call also predicts the next block, so a kept draft that "
-           "completes a block saves the next block's first call (cache none, bidirectional models)",
+    Option("cross_block", bool, "drafts that complete a block continue into the next one, verified by the "
+           "same call; a kept draft that completes a block saves the next block's first call (cache none, "
+           "bidirectional models)",
            label="--cross-block"),
     Option("acceptance", str, "the policy's own criterion, or exact (lossless)", "policy", "acceptance mode",
            choices=ACCEPTANCE),

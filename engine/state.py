@@ -29,6 +29,7 @@ class Batch:
     carry_pred: torch.Tensor       # [B, L] --cross-block: the next block's prediction by the call that
     carry_conf: torch.Tensor       # [B, L]   completed this one (a kept draft), valid where carry_ok
     carry_ok: torch.Tensor         # [B] bool
+    carry_step: torch.Tensor       # [B] the step inside the next block its kept draft reached
 
 
 @dataclass
@@ -50,7 +51,7 @@ class BlockRun:
     step: torch.Tensor             # [S] step index inside the block
     stop_at: torch.Tensor          # [S]
     pending: torch.Tensor          # [S] still needs a call on this block
-    commit_call: torch.Tensor      # [S, W]
+    commit_call: torch.Tensor      # [S, W + ahead] (--cross-block: drafts reach the next block)
     commit_step: torch.Tensor
     commit_source: torch.Tensor
     depth_hist: torch.Tensor       # [S, D + 1]
@@ -61,6 +62,8 @@ class BlockRun:
     ahead_pred: torch.Tensor | None = None   # [S, L] --cross-block: the latest output's next-block part
     ahead_conf: torch.Tensor | None = None
     carry: torch.Tensor | None = None        # [S] bool: that output is of the completed block
+    ahead_step: torch.Tensor | None = None   # [S] the kept draft's step inside the next block (0: none)
+    ahead_ok: torch.Tensor | None = None     # [S] bool: ahead_* hold the latest output's next block
 
     @property
     def gen_start(self) -> int:
@@ -88,4 +91,5 @@ def new_batch(mc, prompts: list[list[int]], gen_length: int, block_length: int, 
 
     return Batch(x, valid, position_ids(mc, valid), P, zeros(B), zeros(B), zeros(B) - 1, zeros(B, G) - 1,
                  zeros(B, G) - 1, zeros(B, G), zeros(B, depth + 1), zeros(B, nodes + 1),
-                 zeros(B, block_length), zeros(B, block_length, dtype=torch.float32), zeros(B, dtype=torch.bool))
+                 zeros(B, block_length), zeros(B, block_length, dtype=torch.float32), zeros(B, dtype=torch.bool),
+                 zeros(B))

@@ -184,6 +184,23 @@ def test_context_causal_model_and_plain_policies():
     assert max(steps) <= STEP_BOUND
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_cross_block_drafts_add_no_sync_per_step(backend, monkeypatch):
+    """--cross-block drafts reach the next block (two rankings, the wider assembly, the reused
+    output) and add no read per step. Between two calls there may now be a step, a block boundary
+    whose first call a kept draft made unnecessary (the failure check, the rows that go on, the
+    rows that carry) and the next step: a bound, whatever the batch, depth or graph size."""
+    base = check(profile(cache="none", backend=backend, monkeypatch=monkeypatch, gen_length=32)[0])
+    counts = set()
+    for variant in (dict(), dict(batch=4), dict(nodes=2), dict(layers=3)):
+        prof, results = profile(cache="none", cross_block=True, backend=backend, monkeypatch=monkeypatch,
+                                gen_length=32, **variant)
+        counts.add(check(prof))
+        assert sum(r.calls for r in results) < sum(r.calls for r in profile(
+            cache="none", backend=backend, monkeypatch=monkeypatch, gen_length=32, **variant)[1])
+    assert max(counts) <= base + 3, counts
+
+
 def test_triton_backend_launchers_do_not_sync(monkeypatch):
     """Under the interpreter: every psd_kernels launcher (top-1, draft assembly, attention and the
     call's RowPlan) reads nothing back, and one attention kernel launch serves a layer."""
