@@ -45,7 +45,7 @@ import torch
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate
 from engine.cache import Window
 from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, resolve_device, guarded
-from engine.config import check_prompts
+from engine.config import RUNTIME, check_prompts
 from engine.methods import METHODS
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
 
@@ -204,8 +204,8 @@ def no_draft_baseline(name: str, opts: dict) -> tuple[str, dict] | None:
         return None
     pol = cfg.spec.policy_class(cfg)
     for mname, m in METHODS.items():
-        if m.is_policy and m.policy is pol:
-            return mname, {o: cfg.given[o] for o in pol.params if o in cfg.given}
+        if m.is_policy and m.policy is pol:     # its parameters, and how its calls run (--compile, --static-rows)
+            return mname, {o: cfg.given[o] for o in (*pol.params, *RUNTIME) if o in cfg.given}
     return None
 
 

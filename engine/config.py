@@ -12,6 +12,8 @@ from .errors import InputError
 from .graph import DraftGraph
 from .methods import METHODS, Method
 from .options import OPTIONS, join
+
+RUNTIME = ("static_rows", "compile")     # how calls run, not what is decoded: shown apart in labels
 from .policies import Policy
 
 
@@ -104,7 +106,9 @@ class DecodeConfig:
         return self.spec.window_blocks(self)
 
     def describe(self) -> str:
-        return self.spec.describe(self, self.policy(), self.draft_graph())
+        runtime = [OPTIONS[o].label.lstrip("-") for o in RUNTIME if getattr(self, o)]
+        suffix = f"[{','.join(runtime)}]" if runtime else ""
+        return self.spec.describe(self, self.policy(), self.draft_graph()) + suffix
 
 
 def check_prompts(mc, dc: DecodeConfig, prompts) -> list[list[int]]:

@@ -53,7 +53,7 @@ class Decoder:
         self.dc = (config or DecodeConfig()).validate()
         self.policy = self.dc.policy()
         self.graph = self.dc.draft_graph()
-        self.cache_mode = CACHE_MODES[self.dc.cache](model)
+        self.cache_mode = CACHE_MODES[self.dc.cache](model.compiled() if self.dc.compile else model)
         if self.dc.cross_block and self.mc.attention != "bidirectional":
             raise InputError("--cross-block needs a bidirectional model (a context-causal block never sees the next)")
         dev = model.device
@@ -168,19 +168,33 @@ class Decoder:
         # a drafted position was masked (mask id) and now holds a prediction (never the mask id)
         return drafts, drafts != blk[:, None], valid
 
+    def _canvases(self, run: BlockRun, act: torch.Tensor, drafts, valid):
+        """The canvases of a verification call: (row, node) pairs [R'] (index into A·K), the
+        sequence (cache row) of each canvas [R], and the canvases [R, N]. Every valid draft; with
+        --static-rows every pair of every row of the block (an invalid node or a finished row
+        repeats a root canvas; its output is never read), so R is the same for every call."""
+        A, K, E = drafts.shape
+        if not self.dc.static_rows:
+            pair = valid.reshape(-1).nonzero()[:, 0]
+        else:
+            drafts = torch.where(valid[..., None], drafts, drafts[:, :1])
+            pair = torch.arange(len(run.seqs) * K, device=drafts.device)
+            pair = torch.where(pair < A * K, pair, 0)            # the rows that are done: row 0's root
+        seq_rows = act[pair // K]
+        canvases = run.x[seq_rows]
+        canvases[:, run.win.lo:run.win.lo + E] = drafts.reshape(-1, E)[pair]
+        return pair[:A * K] if self.dc.static_rows else pair, seq_rows, canvases
+
     def _verify(self, run: BlockRun, act: torch.Tensor, drafts, in_node, valid) -> None:
         """Stage 3: one batched call over every valid draft of every active row, then each row
         keeps the draft its method's selection accepts, with that draft's verifier output."""
         A, K, E = drafts.shape                  # E = W, or W + L where drafts reach the next block
         win, dev, W = run.win, drafts.device, run.win.width
-        pair = valid.reshape(-1).nonzero()[:, 0]             # (row, node) pairs to verify
-        seq_rows = act[pair // K]                             # the sequence (cache row) of each draft
-        canvases = run.x[seq_rows]
-        canvases[:, win.lo:win.lo + E] = drafts.reshape(-1, E)[pair]
+        pair, seq_rows, canvases = self._canvases(run, act, drafts, valid)
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
         pred, conf = self._predict(logits)
-        vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:, :E]).view(A, K, E)
-        vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:, :E]).view(A, K, E)
+        vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
+        vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W)
         if self.budget is not None:
             self.budget.observe(run.plan, accepted, valid)

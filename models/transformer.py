@@ -168,6 +168,19 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
+    def compiled(self) -> "Transformer":
+        """A twin of this model whose transformer blocks run under `torch.compile` (dynamic shapes,
+        so the rows and lengths of a call do not recompile), sharing every parameter with it; the
+        model itself stays eager. Made once per model; the first calls of each shape compile."""
+        twin = self.__dict__.get("_compiled_twin")
+        if twin is None:
+            twin = Transformer.__new__(Transformer)
+            twin.__dict__.update(self.__dict__)
+            twin._modules = dict(self._modules)            # a new module table: the blocks differ
+            twin.layers = nn.ModuleList(torch.compile(b, dynamic=True) for b in self.layers)
+            self.__dict__["_compiled_twin"] = twin          # a plain attribute: no module registration
+        return twin
+
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)

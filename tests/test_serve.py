@@ -281,6 +281,8 @@ BAD = [  # (body changes, status, words the message must hold)
     ({"stream": "yes"}, 400, "stream must be a boolean"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ({"stop": 5}, 400, "stop must be"),
+    ({"compile": True}, 400, "--compile is set when the server starts, not per request"),
+    ({"decoding": {"cost_profile": "/etc/passwd"}}, 400, "cost profile is set when the server starts"),
     ({"model": None}, 400, "model is required"),
     ({"model": "gpt-4"}, 404, "does not exist"),
 ]

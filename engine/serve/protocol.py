@@ -14,6 +14,8 @@ from ..options import OPTIONS, resolve, spellings
 
 NESTED = "decoding"            # the nested object that may hold the decoding options of a request
 MAX_STOP = 4                   # OpenAI's limit on stop sequences
+# options a request may not set: a compile takes the worker for a minute; a profile is a server file
+SERVER_ONLY = ("compile", "cost_profile")
 
 
 def one_line(text) -> str:
@@ -135,6 +137,8 @@ def request_options(body: dict, fields: set) -> dict:
                               f"{', '.join(['method'] + spellings())}", NESTED, "unknown_field") from None
                 raise bad(f"unknown field {key!r}: neither an OpenAI field of this endpoint nor a decoding "
                           f"option ({', '.join(['method'] + spellings())})", key, "unknown_field") from None
+        if name in SERVER_ONLY:
+            raise bad(f"{OPTIONS[name].what} is set when the server starts, not per request", key)
         if name in opts:
             raise bad(f"the decoding option {name} is given twice ({where[name]!r} and {key!r})", key)
         opts[name], where[name] = (value if name == "method" else _engine_value(name, value)), key
