@@ -134,9 +134,10 @@ for _o in (
            "float32", "confidence dtype", choices=CONF_DTYPES, general=True),
     Option("static_rows", bool, "pad every verification call of a block to the block's rows times the graph's "
            "nodes, so a block's calls share one shape (what CUDA graphs and a static torch.compile need); "
-           "the tokens do not change", label="--static-rows", general=True),
+           "the tokens do not change at temperature 0", label="--static-rows", general=True),
     Option("compile", bool, "torch.compile the model's transformer blocks for this decoder (dynamic shapes; the "
-           "first calls compile; the eager model is left as it is)", label="--compile", general=True),
+           "first calls compile; the eager model is left as it is; bf16 rounding may differ from eager)",
+           label="--compile", general=True),
     # ---- method and policy options (engine/methods.py says which method takes which)
     Option("steps", int, "total steps over the generation (default: gen length)", check=_at_least(1)),
     Option("threshold", float, "confidence threshold τ", check=_unit, aliases=("tau",)),
