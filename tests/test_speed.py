@@ -87,6 +87,16 @@ def test_method_plan_listed_baseline_is_not_marked_added():
     assert not plan[1]["added"] and len(plan) == 3
 
 
+def test_method_plan_baseline_runs_its_calls_the_same_way():
+    """A method with --compile / --static-rows is compared with its policy run the same way."""
+    plan = speed.method_plan(["psd:policy=confidence,d=3,compile=true,static_rows=true", "greedy:compile=true"])
+    by = {e["label"]: e for e in plan}
+    psd = next(lab for lab in by if lab.startswith("psd("))
+    assert psd.endswith("[static-rows,compile]")
+    assert by[psd]["base"] == "confidence(tau=0.9)[static-rows,compile]" and by[by[psd]["base"]]["added"]
+    assert "greedy[compile]" in by and by["greedy[compile]"]["greedy"] == "greedy"
+
+
 # ---------------------------------------------------------------------- shapes and random weights
 def test_real_shapes_are_the_published_sizes():
     def count(name):
