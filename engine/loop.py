@@ -18,6 +18,7 @@ a call); never one value per position, draft or node.
 """
 from __future__ import annotations
 
+import shutil
 import time
 
 import torch
@@ -53,6 +54,8 @@ class Decoder:
         self.dc = (config or DecodeConfig()).validate()
         self.policy = self.dc.policy()
         self.graph = self.dc.draft_graph()
+        if self.dc.compile and model.device.type == "cpu" and not any(map(shutil.which, ("c++", "g++", "clang++"))):
+            raise InputError("--compile on CPU needs a C++ compiler on PATH (torch inductor builds C++ kernels)")
         self.cache_mode = CACHE_MODES[self.dc.cache](model.compiled() if self.dc.compile else model)
         if self.dc.cross_block and self.mc.attention != "bidirectional":
             raise InputError("--cross-block needs a bidirectional model (a context-causal block never sees the next)")

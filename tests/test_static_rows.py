@@ -97,3 +97,15 @@ def test_labels_and_flags():
 
     args = build_parser().parse_args(["--static-rows", "--compile", "x"])
     assert args.static_rows is True and args.compile is True
+
+
+def test_compile_without_a_compiler_is_one_error(monkeypatch):
+    import shutil
+
+    from engine import InputError
+
+    model = init_random(ModelConfig.tiny("llada"), seed=1)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(InputError, match="needs a C\\+\\+ compiler"):
+        Decoder(model, DecodeConfig(method="greedy", compile=True))
+    Decoder(model, DecodeConfig(method="greedy"))                     # without --compile nothing is needed
