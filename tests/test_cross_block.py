@@ -199,3 +199,32 @@ def test_acceptance_into_the_next_block():
     # {0}'s step commits both next positions: exact mode skips {0,1} (a subset), policy mode keeps it
     assert _hier(Confidence(0.5), [7, 6], [7, 6], [0.6, 0.8], exact=True) == (3, 1, [True, True, False, True])
     assert _hier(Confidence(0.5), [7, 6], [7, 6], [0.6, 0.8], exact=False) == (3, 1, [True] * 4)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_configurations_stay_lossless(seed):
+    """Random family, stop id, block length, policy, DAG graph (a chain plus random nodes),
+    prompts, static rows: exact mode with --cross-block ends every row with the plain policy's
+    tokens and stop flag, with no more calls."""
+    import random
+
+    from engine.graph import DraftGraph
+
+    rng = random.Random(seed)
+    m = init_random(ModelConfig.tiny(rng.choice(["llada", "dream"]), vocab_size=64, mask_token_id=63,
+                                     eos_token_id=rng.choice([62, 41, 14, 20, 9])),
+                    seed=rng.randrange(100), std=rng.choice([0.3, 0.5, 0.8]))
+    blk = rng.choice([4, 8])
+    gen = blk * rng.choice([2, 4, 6])
+    policy, opts = rng.choice([("greedy", {}), ("confidence", dict(threshold=rng.choice([0.3, 0.6, 0.8]))),
+                               ("topk", dict(steps=gen // blk * rng.choice([2, 3, 4]))), ("localleap", {})])
+    nodes = {tuple(range(d)) for d in range(rng.randrange(1, min(blk, 5) + 1))}
+    for _ in range(rng.randrange(1, 7)):
+        nodes.add(tuple(sorted(rng.sample(range(blk), rng.randrange(1, min(blk, 5) + 1)))))
+    prompts = [[rng.randrange(60) for _ in range(rng.randrange(1, 6))] for _ in range(rng.randrange(1, 5))]
+    base = dict(gen_length=gen, block_length=blk, **opts)
+    plain = engine.generate(m, prompts, method=policy, **base)
+    cross = engine.generate(m, prompts, method="psd", policy_name=policy, acceptance="exact", cross_block=True,
+                            graph=DraftGraph([list(n) for n in nodes]), static_rows=rng.random() < 0.3, **base)
+    assert [(r.token_ids, r.stopped) for r in cross] == [(r.token_ids, r.stopped) for r in plain]
+    assert all(c.calls <= p.calls for c, p in zip(cross, plain))
