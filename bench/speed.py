@@ -45,8 +45,9 @@ import torch
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate
 from engine.cache import Window
 from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, resolve_device, guarded
-from engine.config import RUNTIME, check_prompts
+from engine.config import check_prompts
 from engine.methods import METHODS
+from engine.options import RUNTIME
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
 
 from ._common import bench_threads, device_name, versions

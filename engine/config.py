@@ -11,9 +11,7 @@ import operator
 from .errors import InputError
 from .graph import DraftGraph
 from .methods import METHODS, Method
-from .options import OPTIONS, join
-
-RUNTIME = ("static_rows", "compile")     # how calls run, not what is decoded: shown apart in labels
+from .options import OPTIONS, RUNTIME, join
 from .policies import Policy
 
 

@@ -212,10 +212,11 @@ class Decoder:
         run.nodes_hist[act, K] += 1
         run.calls[act] += 1
         run.rows[act] += valid.sum(-1)
-        run.x[act, win.lo:win.lo + E] = drafts[ar, best]
+        kept = drafts[ar, best]
+        run.x[act, win.lo:win.lo + E] = kept
         run.pred[act], run.conf[act], run.step[act] = vpred[ar, best, :W], vconf[ar, best, :W], best_step
         if win.ahead:              # --cross-block: the kept draft's next-block output, and is it complete?
-            keep_ahead(run, act, best, best_step, vpred, vconf, drafts[ar, best], self.mc.mask_token_id)
+            keep_ahead(run, act, best, best_step, vpred, vconf, kept, self.mc.mask_token_id)
         if K > 1:      # a kept draft changed s: apply the stopping rule again (§3)
             apply_stopping(run, self.stop_ids, self.mc.mask_token_id, act)
 

@@ -164,6 +164,9 @@ for _o in (
     register(_o)
 
 
+RUNTIME = ("static_rows", "compile")     # how calls run, not what is decoded: shown apart in labels
+
+
 def resolve(key: str) -> Option:
     """The option a spelling names (name or alias)."""
     for o in OPTIONS.values():
