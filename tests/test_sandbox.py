@@ -829,6 +829,57 @@ _SEARCHES = {
 }
 
 
+# Code that would run in the main interpreter after the program, if it ran at all: it walks that
+# interpreter's frames for the nonce and forges the record.
+_GRAB = """
+def grab(*a, **k):
+    import sys, posix, re
+    f = sys._getframe()
+    while f is not None:
+        for v in list(f.f_locals.values()):
+            if isinstance(v, (bytes, str)):
+                for n in re.findall('[0-9a-f]{32}', v if isinstance(v, str) else v.decode('latin-1')):
+                    for rec in ('\\n%s passed \\n' % n, '\\n%s ["passed", ""]\\n' % n):
+                        for fd in range(3, 64):
+                            try:
+                                posix.write(fd, rec.encode())
+                            except OSError:
+                                pass
+                    posix._exit(0)
+        f = f.f_back
+    return object.__new__(*a[:1]) if a and isinstance(a[0], type) else None
+"""
+_HOOKS = {
+    "replace the constructor of every exception class the harness could raise":
+        _GRAB + "for c in [BaseException] + list(__import__('itertools').chain.from_iterable("
+                "t.__subclasses__() for t in (Exception, RuntimeError))):\n"
+                "    try:\n        c.__init__ = grab\n        c.__new__ = grab\n    except TypeError:\n        pass\n",
+    "replace the builtins and functions of the main interpreter's modules":
+        _GRAB + "seen = set()\nfor c in object.__subclasses__():\n    for f in list(vars(c).values()):\n"
+                "        g = getattr(f, '__globals__', None)\n        if isinstance(g, dict) and id(g) not in seen:\n"
+                "            seen.add(id(g))\n            for k, v in list(g.items()):\n"
+                "                if callable(v) and not isinstance(v, type):\n                    g[k] = grab\n"
+                "            b = g.get('__builtins__')\n            b = b if isinstance(b, dict) else vars(b) if b else {}\n"
+                "            for k in ('len', 'getattr', 'isinstance', 'print', 'str', 'bytes'):\n"
+                "                b[k] = grab\n",
+    "finalizers and hashes on every str subclass and main-interpreter class":
+        _GRAB + "for c in str.__subclasses__() + object.__subclasses__():\n    for name in ('__del__', '__hash__', '__eq__'):\n"
+                "        try:\n            setattr(c, name, grab)\n        except (TypeError, AttributeError):\n            pass\n",
+}
+
+
+@pytest.mark.parametrize("name", list(_HOOKS))
+def test_no_code_of_the_program_runs_in_the_main_interpreter(name):
+    """The program plants code where the main interpreter might call it after
+    the program (exception constructors, its modules' functions and builtins,
+    finalizers): nothing runs there, so the nonce stays out of reach."""
+    for tail in ("assert False\n", "raise SystemExit(0)\n", "x = bytearray(2 ** 40)\n", "pass\n"):
+        r = run_python(_HOOKS[name] + tail, timeout_s=10.0, memory_mb=512)
+        assert r.status != "passed" or tail == "pass\n", (name, tail, r)
+        if tail == "pass\n":  # planting alone does not break a passing program's verdict
+            assert r.status in ("passed", "failed"), (name, r)
+
+
 @pytest.mark.parametrize("name", list(_SEARCHES))
 def test_a_program_cannot_reach_the_verdict_nonce(name):
     """The nonce lives only in the main interpreter of the program's process
