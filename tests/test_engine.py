@@ -3,14 +3,13 @@ stock transformers model, the policies' rules, stopping and counting, cache mode
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 import oracle
 from models.random_checkpoint import make_checkpoint
-from engine import DecodeConfig, DraftGraph, InputError, generate
+from engine import DraftGraph, InputError, generate
 from engine.policies import Confidence, Greedy, LocalLeap, TopK, num_transfer_tokens, rank_of
 from models import ModelConfig, init_random, load_model
 
@@ -82,11 +81,10 @@ def test_root_only_graph_is_the_plain_policy(checkpoint):
 
 
 # ---------------------------------------------------------------------- cache modes
-@pytest.mark.parametrize("method,opts", [("greedy", {}), ("confidence", {"threshold": 0.2}), ("topk", {"steps": 12}),
-                                         ("localleap", {"threshold": 0.2, "kappa": 0.3}),
-                                         # drafts: verified through shared_prefix_attention with own_mask
-                                         ("psd", {"policy_name": "confidence", "threshold": 0.2, "depth": 3}),
-                                         ("spiffy", {"depth": 3})])
+# every policy, plain and under PSD: tests/contracts.py; here the other methods' drafts, verified
+# through shared_prefix_attention with own_mask
+@pytest.mark.parametrize("method,opts", [("psd", {"policy_name": "confidence", "threshold": 0.2, "depth": 3}),
+                                         ("spiffy", {"depth": 3}), ("lopa", {"k": 3}), ("fdm", {"k": 2})])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_cache_is_exact_on_context_causal_model(method, opts, cache):
     model = init_random(ModelConfig.tiny("pangu"), seed=4, std=0.3).double()
@@ -168,16 +166,6 @@ def test_confidence_and_localleap_rules():
         assert ll[r].nonzero()[:, 0].tolist() == want
 
 
-def test_every_policy_commits_at_least_one_and_only_masked():
-    conf, masked = _rand(R=7, seed=3)
-    masked[3] = False                                  # a row with nothing left commits nothing
-    step = torch.zeros(7, dtype=torch.long)
-    for pol in (Greedy(), TopK(13, 13), Confidence(1.0), LocalLeap(1.0, 1.0, 1)):
-        sel = pol.select(conf, masked, step)
-        assert not (sel & ~masked).any()
-        assert (sel.sum(-1) >= 1).tolist() == masked.any(-1).tolist()
-
-
 def test_mask_token_is_never_predicted(tmp_path):
     """With the mask token's logit made huge, the engine still never commits it."""
     cfg = ModelConfig.tiny("llada")
@@ -244,12 +232,6 @@ def test_bad_prompts(prompts, msg):
     model = init_random(ModelConfig.tiny("llada"))
     with pytest.raises(InputError, match=re.escape(msg)):
         generate(model, prompts, gen_length=16, block_length=8)
-
-
-def test_no_host_sync_per_position_in_the_loop():
-    """The loop reads back only a constant number of small tensors per step (docs/algorithms.md §3)."""
-    src = Path(__file__).resolve().parent.parent.joinpath("engine", "loop.py").read_text()
-    assert ".item()" not in src and ".tolist()" not in src.split("def _results")[0]
 
 
 @pytest.mark.parametrize("family", ["llada", "pangu"])

@@ -16,7 +16,8 @@ from engine import acceptance
 from engine.calibrate import main as calibrate_main
 from engine.calibrate import record_reveal_sets, select_nodes
 from engine.config import DecodeConfig
-from engine.policies import Confidence, Greedy, LocalLeap, TopK
+from engine.methods import policy_methods
+from engine.policies import Greedy
 from models import load_model
 from models.random_checkpoint import make_checkpoint
 
@@ -30,8 +31,6 @@ def model(request, tmp_path_factory):
     return load_model(path)
 
 
-PLAIN = [("greedy", {}), ("topk", {"steps": 16}), ("confidence", {"threshold": 0.3}),
-         ("localleap", {"threshold": 0.2, "kappa": 0.4, "window": 2})]
 GRAPHS = [DraftGraph.chain(1), DraftGraph.chain(4), DraftGraph([[], [0], [1], [0, 1], [0, 2], [0, 1, 2], [2]])]
 
 
@@ -56,33 +55,6 @@ def test_spiffy_equals_greedy_with_fewer_calls(model, cache):
         assert sum(s.calls for s in spec) < sum(p.calls for p in plain)
 
 
-@pytest.mark.parametrize("method,opts", PLAIN)
-def test_psd_exact_equals_the_plain_policy(model, method, opts):
-    plain = generate(model, PROMPTS, method=method, gen_length=G, block_length=L, **opts)
-    any_accepted = False
-    for graph in GRAPHS:
-        spec = generate(model, PROMPTS, method="psd", policy_name=method, acceptance="exact", graph=graph,
-                        gen_length=G, block_length=L, **opts)
-        for p, s in zip(plain, spec):
-            assert s.token_ids == p.token_ids
-            assert s.calls <= p.calls
-            assert s.commit_source.count(1) > 0 or _accepted(s) == 0 or s.stopped   # drafted tokens past EOS are cut
-        if sum(_accepted(s) for s in spec) > sum(len(set(s.commit_block)) for s in spec):
-            # more acceptances than blocks: at least one did not just complete a block, so calls drop
-            assert sum(s.calls for s in spec) < sum(p.calls for p in plain)
-        any_accepted |= sum(_accepted(s) for s in spec) > 0
-    assert any_accepted
-
-
-def test_root_only_psd_is_the_plain_policy_in_every_mode(model):
-    for method, opts in PLAIN:
-        plain = generate(model, PROMPTS, method=method, gen_length=G, block_length=L, **opts)
-        for acc in ("policy", "exact"):
-            root = generate(model, PROMPTS, method="psd", policy_name=method, acceptance=acc, depth=0,
-                            gen_length=G, block_length=L, **opts)
-            assert _sig(root) == _sig(plain)
-
-
 def test_psd_policy_mode_runs_and_reports(model):
     res = generate(model, PROMPTS, method="psd", policy_name="confidence", threshold=0.3, depth=3,
                    gen_length=G, block_length=L)
@@ -94,7 +66,8 @@ def test_psd_policy_mode_runs_and_reports(model):
 
 
 # ---------------------------------------------------------------------- acceptance properties
-POLICIES = [Greedy(), Confidence(0.5), LocalLeap(0.7, 0.4, 2), TopK(6, 3)]
+# every policy of the method table, as its defaults build it (lossless PSD over each: tests/contracts.py)
+POLICIES = [DecodeConfig(method=m, gen_length=6, block_length=6).validate().policy() for m in policy_methods()]
 MASK = 99
 
 

@@ -4,7 +4,6 @@ that shares the weights): neither changes a token."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import engine
 from engine import DecodeConfig, Decoder
@@ -28,23 +27,6 @@ def rows_per_call(model, **opts):
     finally:
         hook.remove()
     return seen, results
-
-
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("policy,opts", [("greedy", {}), ("confidence", dict(threshold=0.5)), ("topk", dict(steps=16))])
-def test_static_rows_keep_every_token(model, cache, policy, opts):
-    base = dict(gen_length=32, block_length=8, cache=cache, **opts)
-    plain = engine.generate(model, PROMPTS, method=policy, **base)
-    assert [r.token_ids for r in engine.generate(model, PROMPTS, method=policy, static_rows=True, **base)] == \
-        [r.token_ids for r in plain]
-    exact = engine.generate(model, PROMPTS, method="psd", policy_name=policy, acceptance="exact", depth=3,
-                            static_rows=True, **base)
-    assert [r.token_ids for r in exact] == [r.token_ids for r in plain]
-    psd = dict(method="psd", policy_name=policy, depth=3, **base)
-    want = engine.generate(model, PROMPTS, **psd)
-    got = engine.generate(model, PROMPTS, static_rows=True, **psd)
-    # rows_per_call counts the drafts verified, not the padding
-    assert [(r.token_ids, r.calls, r.rows_per_call) for r in got] == [(r.token_ids, r.calls, r.rows_per_call) for r in want]
 
 
 def test_every_verification_call_of_a_block_has_one_shape(model):
