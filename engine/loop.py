@@ -102,14 +102,18 @@ class Decoder:
         pred, conf, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win)
         S, g0, dev = seqs.numel(), lo - P, x.device
         span = slice(g0, g0 + win.width + win.ahead)            # --cross-block: drafts reach the next block
-        run = BlockRun(index, seqs, win, x, valid, pos, cache, pred, conf, batch.calls[seqs] + fresh,
-                        batch.rows[seqs] + fresh, step,
-                        torch.full((S,), -1, dtype=torch.long, device=dev), torch.ones(S, dtype=torch.bool, device=dev),
-                        batch.commit_call[seqs, span], batch.commit_step[seqs, span],
-                        batch.commit_source[seqs, span], batch.depth_hist[seqs],
-                        torch.zeros(S, dtype=torch.long, device=dev), torch.full((S,), -1, dtype=torch.long, device=dev),
-                        batch.nodes_hist[seqs], self.full_plan, *ahead, torch.zeros(S, dtype=torch.bool, device=dev),
-                        torch.zeros(S, dtype=torch.long, device=dev), fresh.bool())
+
+        def zeros(dtype=torch.long):
+            return torch.zeros(S, dtype=dtype, device=dev)
+
+        run = BlockRun(
+            index=index, seqs=seqs, win=win, x=x, valid=valid, pos=pos, cache=cache, pred=pred, conf=conf,
+            calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
+            pending=zeros(torch.bool) | True, commit_call=batch.commit_call[seqs, span],
+            commit_step=batch.commit_step[seqs, span], commit_source=batch.commit_source[seqs, span],
+            depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
+            nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
+            carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool())
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))

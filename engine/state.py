@@ -89,7 +89,8 @@ def new_batch(mc, prompts: list[list[int]], gen_length: int, block_length: int, 
     def zeros(*shape, dtype=torch.long):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    return Batch(x, valid, position_ids(mc, valid), P, zeros(B), zeros(B), zeros(B) - 1, zeros(B, G) - 1,
-                 zeros(B, G) - 1, zeros(B, G), zeros(B, depth + 1), zeros(B, nodes + 1),
-                 zeros(B, block_length), zeros(B, block_length, dtype=torch.float32), zeros(B, dtype=torch.bool),
-                 zeros(B))
+    return Batch(x=x, valid=valid, pos=position_ids(mc, valid), prompt_width=P, calls=zeros(B), rows=zeros(B),
+                 stop_at=zeros(B) - 1, commit_call=zeros(B, G) - 1, commit_step=zeros(B, G) - 1,
+                 commit_source=zeros(B, G), depth_hist=zeros(B, depth + 1), nodes_hist=zeros(B, nodes + 1),
+                 carry_pred=zeros(B, block_length), carry_conf=zeros(B, block_length, dtype=torch.float32),
+                 carry_ok=zeros(B, dtype=torch.bool), carry_step=zeros(B))
