@@ -26,38 +26,15 @@ block; the per-step bookkeeping stays on the device.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from .cost import CostModel, measure
-from .graph import DraftGraph
+from .graph import DraftGraph, Plan, make_plan
 
 PRIOR_Q, PRIOR_WEIGHT = 0.8, 4.0
 MARGIN = 1.05           # a dearer set must promise 5% more tokens per ms: the policy alone is the safe side
 _MEASURED: dict[tuple, CostModel] = {}         # measured curves, shared by decoders of one shape
-
-
-@dataclass
-class Plan:
-    """The draft nodes of one block: a sub-graph of the decoder's graph, parent-closed."""
-
-    index: torch.Tensor            # [m] node indices into the full graph
-    graph: DraftGraph
-    node_ranks: torch.Tensor       # [m, D]
-    node_size: torch.Tensor        # [m]
-    select: object                 # the method's Selection over this sub-graph
-    parents: torch.Tensor          # [m, m] float: parents[p, k] = 1 where p is a parent of k
-
-
-def make_plan(full: DraftGraph, index: list[int], selection, device) -> Plan:
-    graph = DraftGraph([sorted(full.nodes[k]) for k in index])
-    m = len(index)
-    par = torch.zeros(m, m, device=device)
-    for k, ps in enumerate(graph.parents):
-        par[ps, k] = 1.0
-    return Plan(torch.tensor(index, device=device), graph, graph.node_ranks(device),
-                torch.tensor([len(s) for s in graph.nodes], device=device), selection(graph), par)
 
 
 class DraftBudget:

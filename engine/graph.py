@@ -7,6 +7,7 @@ Stored as JSON: a list of rank lists, e.g. `[[], [0], [0, 1], [1]]`.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -99,3 +100,26 @@ class DraftGraph:
 
     def __repr__(self) -> str:
         return f"DraftGraph({[sorted(s) for s in self.nodes]})"
+
+
+@dataclass
+class Plan:
+    """The draft nodes one block verifies: a parent-closed sub-graph of the decoder's graph (all of
+    it, or what `--draft-budget auto` chose, engine/budget.py), as the loop's tensors."""
+
+    index: torch.Tensor            # [m] node indices into the full graph
+    graph: DraftGraph
+    node_ranks: torch.Tensor       # [m, D]
+    node_size: torch.Tensor        # [m]
+    select: object                 # the method's Selection over this sub-graph
+    parents: torch.Tensor          # [m, m] float: parents[p, k] = 1 where p is a parent of k
+
+
+def make_plan(full: DraftGraph, index: list[int], selection, device) -> Plan:
+    graph = DraftGraph([sorted(full.nodes[k]) for k in index])
+    m = len(index)
+    par = torch.zeros(m, m, device=device)
+    for k, ps in enumerate(graph.parents):
+        par[ps, k] = 1.0
+    return Plan(torch.tensor(index, device=device), graph, graph.node_ranks(device),
+                torch.tensor([len(s) for s in graph.nodes], device=device), selection(graph), par)

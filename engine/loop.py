@@ -27,10 +27,11 @@ import psd_kernels
 from models import Transformer
 
 from .ahead import carry_over, draft_across, first_output, keep_ahead
-from .budget import DraftBudget, make_plan
+from .budget import DraftBudget
 from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts
 from .errors import InputError
+from .graph import make_plan
 from .progress import apply_stopping, guard_progress, raise_failure
 from .policies import rank_of
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces

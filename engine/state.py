@@ -58,7 +58,7 @@ class BlockRun:
     failed: torch.Tensor           # [S] 0, or why the row stopped making progress (see Decoder._guard)
     failed_call: torch.Tensor      # [S] the call whose output it could not use, -1 while none
     nodes_hist: torch.Tensor       # [S, K + 1]
-    plan: object                   # engine.budget.Plan: the draft nodes this block verifies
+    plan: object                   # engine.graph.Plan: the draft nodes this block verifies
     ahead_pred: torch.Tensor | None = None   # [S, L] --cross-block: the latest output's next-block part
     ahead_conf: torch.Tensor | None = None
     carry: torch.Tensor | None = None        # [S] bool: that output is of the completed block
