@@ -16,7 +16,7 @@ from .config import DecodeConfig
 from .errors import DecodingError, InputError
 from .graph import DraftGraph
 from .loop import Decoder, generate
-from .methods import METHODS, Method, register
+from .methods import METHODS, Method, register, unregister
 from .options import ACCEPTANCE, OPTIONS, Option
 from .policies import Confidence, Greedy, LocalLeap, Policy, TopK
 from .results import SequenceResult, StreamUpdate, aggregate
@@ -37,4 +37,4 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "OPTIONS", "Confidence", "DecodeConfig", "Decoder", "DecodingError", "DraftGraph",
            "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "SequenceResult", "StreamUpdate", "TopK", "aggregate",
-           "generate", "register"]
+           "generate", "register", "unregister"]

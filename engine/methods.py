@@ -13,7 +13,7 @@ from typing import Callable
 
 from .acceptance import BestScore, DraftConfidence, Hierarchical, Selection
 from .graph import DraftGraph
-from .options import OPTIONS
+from .options import OPTIONS, POLICY_NAMES
 from .options import register as register_option
 from .policies import Confidence, CrossBlock, Greedy, LocalLeap, Policy, TopK
 
@@ -66,11 +66,22 @@ def register(method: Method) -> Method:
     if missing:
         raise ValueError(f"method {method.name!r} names unknown options {missing}")
     METHODS[method.name] = method
+    if method.is_policy and method.name not in POLICY_NAMES:
+        POLICY_NAMES.append(method.name)
+    elif not method.is_policy and method.name in POLICY_NAMES:
+        POLICY_NAMES.remove(method.name)
     return method
 
 
+def unregister(name: str) -> Method:
+    """Remove a method from the table (the options its policy declared stay registered)."""
+    if name in POLICY_NAMES:
+        POLICY_NAMES.remove(name)
+    return METHODS.pop(name)
+
+
 def policy_methods() -> tuple[str, ...]:
-    return tuple(name for name, m in METHODS.items() if m.is_policy)
+    return tuple(POLICY_NAMES)
 
 
 def methods_taking(option: str) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from psd_kernels.reference import SCORES
 
+from .cache import CACHE_MODES
 from .errors import InputError
 from .graph import DraftGraph
 
@@ -98,15 +99,14 @@ class Option:
         return value
 
 
-def _policy_names() -> tuple:
-    from .methods import policy_methods
+POLICY_NAMES: list[str] = []    # the plain policies of the method table, in order (engine.methods.register adds)
 
-    return policy_methods()
+
+def _policy_names() -> tuple:
+    return tuple(POLICY_NAMES)
 
 
 def _cache_modes() -> tuple:
-    from .cache import CACHE_MODES
-
     return tuple(CACHE_MODES)
 
 

@@ -15,7 +15,7 @@ from bench.eval import parse_method
 from engine import DecodeConfig, InputError, Method, Option, Policy, generate, register
 from engine.cli import build_parser
 from engine.cli import main as cli_main
-from engine.methods import METHODS, methods_taking, policy_methods
+from engine.methods import METHODS, methods_taking, policy_methods, unregister
 from engine.options import OPTIONS
 from engine.policies import masked_conf
 from models import load_model
@@ -47,7 +47,7 @@ class TopFraction(Policy):
 def toy():
     register(Method("topfrac", "toy: a fixed share of the masked positions", TopFraction, is_policy=True))
     yield
-    METHODS.pop("topfrac")
+    unregister("topfrac")
     OPTIONS.pop("frac")
 
 
