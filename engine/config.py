@@ -80,11 +80,6 @@ class DecodeConfig:
     def num_blocks(self) -> int:
         return self.gen_length // self.block_length
 
-    @property
-    def spatial(self) -> str:
-        """The stage-1 policy this method runs."""
-        return self.spec.policy_class(self).name
-
     def policy(self) -> Policy:
         return self.spec.policy_class(self).from_config(self)
 

@@ -55,7 +55,7 @@ class BlockRun:
     commit_step: torch.Tensor
     commit_source: torch.Tensor
     depth_hist: torch.Tensor       # [S, D + 1]
-    failed: torch.Tensor           # [S] 0, or why the row stopped making progress (see Decoder._guard)
+    failed: torch.Tensor           # [S] 0, or why the row stopped making progress (engine.progress.guard_progress)
     failed_call: torch.Tensor      # [S] the call whose output it could not use, -1 while none
     nodes_hist: torch.Tensor       # [S, K + 1]
     plan: object                   # engine.graph.Plan: the draft nodes this block verifies

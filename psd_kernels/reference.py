@@ -397,16 +397,6 @@ def _attend_lse(q, k, v, scale, key_mask):
     return out.to(q.dtype), lse
 
 
-def _merge(out_a, lse_a, out_b, lse_b):
-    """merge_attention in the wider of float32 and the inputs' dtype (float64 stays float64)."""
-    acc = torch.float64 if out_a.dtype == torch.float64 else torch.float32
-    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    out = out_a.to(acc) * torch.exp(lse_a - safe)[..., None] + out_b.to(acc) * torch.exp(lse_b - safe)[..., None]
-    return out, lse
-
-
 def merge_attention(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
