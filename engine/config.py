@@ -16,16 +16,47 @@ from .policies import Policy
 
 
 class DecodeConfig:
+    """A method and its options. Every option of the table is an attribute, set once here: the value
+    given, else the option's default (`None` for a policy parameter: the policy's own default). The
+    types below are the table's (tests/test_methods.py holds them to it); defaults and help live
+    only in engine/options.py. Options a policy declares (e.g. topk's `schedule`, `eps`) are
+    attributes too, untyped here."""
+
+    method: str
+    gen_length: int
+    block_length: int
+    cache: str
+    score: str
+    temperature: float
+    seed: int
+    conf_dtype: str
+    static_rows: bool | None
+    compile: bool | None
+    steps: int | None
+    threshold: float | None
+    kappa: float | None
+    window: int | None
+    policy_name: str
+    depth: int
+    graph: DraftGraph | None
+    draft_budget: str
+    cost_profile: str | None
+    cross_block: bool | None
+    acceptance: str
+    k: int
+
     def __init__(self, method: str = "greedy", **options):
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise InputError(f"unknown decoding option {unknown[0]!r}; options: {', '.join(sorted(OPTIONS))}")
         self.method = method
         self.given = {k: v for k, v in options.items() if v is not None}   # None = not given
+        for name, option in OPTIONS.items():
+            setattr(self, name, self.given.get(name, option.default))
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):      # only an option registered after this config was made
         if name in OPTIONS:
-            return self.__dict__.get("given", {}).get(name, OPTIONS[name].default)
+            return OPTIONS[name].default
         raise AttributeError(f"DecodeConfig has no attribute {name!r}")
 
     def replace(self, **options) -> "DecodeConfig":

@@ -136,3 +136,21 @@ def test_every_option_is_described_and_taken_by_someone():
         assert o.help and (o.general or methods_taking(o.name)), o.name
     assert set(methods_taking("k")) == {"lopa", "ete", "fdm"}
     assert set(methods_taking("threshold")) == {"confidence", "localleap", "psd", "lopa", "ete", "fdm"}
+
+
+def test_decode_config_attributes_are_the_option_table():
+    """Every option of the table (but those a policy declares) is a typed attribute of DecodeConfig,
+    annotated with the table's kind, and set on the instance (not looked up on demand)."""
+    import typing
+
+    from engine.graph import DraftGraph
+
+    hints = typing.get_type_hints(DecodeConfig, {"DraftGraph": DraftGraph})
+    declared = {o.name for m in METHODS.values() for o in getattr(m.policy, "declares", ())}
+    assert set(hints) - {"method"} == set(OPTIONS) - declared
+    for name, hint in hints.items():
+        if name != "method":
+            assert OPTIONS[name].kind in typing.get_args(hint) + (hint,), (name, hint)
+    cfg = DecodeConfig(method="confidence", threshold=0.5)
+    assert vars(cfg)["threshold"] == 0.5 and vars(cfg)["gen_length"] == OPTIONS["gen_length"].default
+    assert vars(cfg)["steps"] is None
