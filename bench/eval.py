@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
-from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, guarded
+from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, guarded, plugins_loaded
 from engine.options import resolve, spellings
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
 
@@ -124,6 +124,9 @@ def format_table(rows: list[dict], header: str) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not plugins_loaded(argv):                 # a plugin's methods are method specs here
+        return 2
     p = Parser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--task", default="math", choices=TASKS)
@@ -137,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--cache", default="none", choices=list(CACHE_MODES))
     p.add_argument("--batch-size", type=int, default=16)
+    add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--out", help="per-problem JSONL, written as each method finishes "
                                  "(default: a fresh runs/eval-<task>-<time>/results.jsonl)")

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 import engine
 from engine import DecodeConfig, Decoder, DraftGraph, InputError
-from engine.cli import resolve_device
+from engine.frontend import resolve_device
 from models import CheckpointError, ModelConfig, Tokenizer, attention_mask, load_model, position_ids
 
 try:
@@ -171,7 +171,7 @@ def decode_options() -> dict[str, DecodeOption]:
 
 
 def _device(name: str | None, strict: bool) -> str:
-    """A torch device string (engine.cli.resolve_device). A CUDA device without CUDA is an error
+    """A torch device string (engine.frontend.resolve_device). A CUDA device without CUDA is an error
     when the user named it in model_args (strict), and CPU with a warning when it is lm-eval's
     --device, whose default is cuda:0 even where no --device was given."""
     if not strict and str(name).startswith("cuda") and not torch.cuda.is_available():

@@ -44,7 +44,8 @@ import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate
 from engine.cache import Window
-from engine.cli import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, resolve_device, guarded
+from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, guarded, plugins_loaded,
+                             resolve_device)
 from engine.config import check_prompts
 from engine.methods import METHODS
 from engine.options import RUNTIME
@@ -475,6 +476,7 @@ def cost_markdown(curves: list[dict], header: str) -> str:
 # ---------------------------------------------------------------------- command line
 def build_parser() -> Parser:
     p = Parser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
+    add_plugin_flag(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory (default: the shipped models/default)")
     src.add_argument("--shape", choices=list(SHAPES),
@@ -544,6 +546,8 @@ def _check_args(args) -> None:
 
 
 def main(argv=None) -> int:
+    if not plugins_loaded(sys.argv[1:] if argv is None else argv):   # a plugin's methods are method specs here
+        return 2
     args = build_parser().parse_args(argv)
     return guarded(_run, args, sys.argv[1:] if argv is None else list(argv),
                    errors=(FileNotFoundError, ValueError))

@@ -113,8 +113,11 @@ def _policy_options() -> list[str]:
 
 
 def main(argv=None) -> int:
-    from .cli import DTYPE_CHOICES, Parser, add_decoding_flags, guarded
+    from .frontend import DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, guarded, plugins_loaded
 
+    argv = sys.argv[1:] if argv is None else argv
+    if not plugins_loaded(argv):                 # a plugin's policies are --policy choices
+        return 2
     p = Parser(prog="python -m engine.calibrate", description="calibrate a draft graph (docs/algorithms.md §4)")
     p.add_argument("--model", required=True)
     p.add_argument("--policy", default="greedy", choices=policy_methods())
@@ -125,13 +128,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="graph JSON file to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    add_plugin_flag(p)
     return guarded(_run, p.parse_args(argv))
 
 
 def _run(args) -> int:
     from models import Tokenizer, load_model
 
-    from .cli import decoding_options
+    from .frontend import decoding_options
 
     options = {"gen_length": 128, "block_length": 32, **decoding_options(args, _policy_options())}
     cfg = DecodeConfig(method=args.policy, **options).validate()

@@ -7,84 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from models import DTYPES, CheckpointError, ModelConfig, Tokenizer
+from models import CheckpointError, ModelConfig, Tokenizer
 
 from .config import DecodeConfig
-from .errors import DecodingError, InputError
-from .graph import DraftGraph
-from .methods import METHODS, methods_taking, policy_methods
-from .options import OPTIONS, join
-
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
-DTYPE_CHOICES = [d for d in DTYPES if d != "float16"]      # the kernels' parity dtypes and bf16
-
-
-class Parser(argparse.ArgumentParser):
-    """One-line errors; no abbreviated flags (`--prompt` must not silently mean `--prompt-file`)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def _option_help(o) -> str:
-    """An option's help: what it is, which methods take it, its default (a policy's own where
-    the policy holds it): all read from the option and method tables."""
-    if o.general:
-        return o.help + ("" if o.default is None else f" (default: {o.default})")
-    takers = methods_taking(o.name)
-    per_policy = [f"{m} {METHODS[m].policy.defaults()[o.name]}" for m in policy_methods()
-                  if o.name in METHODS[m].policy.defaults()]
-    default = f"; default: {', '.join(per_policy)}" if per_policy else "" if o.default is None else f"; default: {o.default}"
-    return f"{o.help} ({join(takers)}{default})"
-
-
-def add_decoding_flags(p: argparse.ArgumentParser, names=None) -> None:
-    """One flag per decoding option of engine/options.py (all, or `names`); every default is None
-    so that only what the user gave reaches DecodeConfig (options that do not apply are errors)."""
-    for o in OPTIONS.values():
-        if names is not None and o.name not in names:
-            continue
-        choices = o.allowed() or None
-        if o.kind is bool:                 # a switch: given = True
-            p.add_argument(o.flag, dest=o.name, default=None, action="store_const", const=True, help=_option_help(o))
-            continue
-        p.add_argument(o.flag, dest=o.name, default=None, choices=choices, help=_option_help(o),
-                       type=str if o.kind is DraftGraph else o.kind,
-                       metavar="PATH" if o.kind is DraftGraph else o.metavar)
-
-
-def decoding_options(args: argparse.Namespace, names=None) -> dict:
-    """The decoding options the user gave on the command line, parsed (a graph path is loaded)."""
-    out = {}
-    for o in OPTIONS.values():
-        value = getattr(args, o.name, None)
-        if value is not None and (names is None or o.name in names):
-            out[o.name] = o.parse(value) if o.kind is DraftGraph else value
-    return out
-
-
-def guarded(run, *args, errors: tuple = ()) -> int:
-    """Run a command's body: bad input (InputError, CheckpointError and `errors`) becomes one
-    `error:` line on stderr and exit status 2."""
-    try:
-        return run(*args)
-    except (InputError, CheckpointError, DecodingError) + errors as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:             # the reader went away (`| head`): no traceback, no more output
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-
+from .errors import InputError
+from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, decoding_options, guarded,
+                       plugins_loaded, resolve_device)
+from .methods import METHODS
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
@@ -96,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="greedy", choices=list(METHODS),
                    help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
     add_decoding_flags(p)
+    add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
@@ -128,25 +61,6 @@ def _read_prompt(args) -> str:
         return Path(src).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read prompt file {src}: {e.strerror if isinstance(e, OSError) else e}") from None
-
-
-def resolve_device(name: str) -> str:
-    """A torch device string from cpu, cuda, cuda:N or auto (CUDA when present); bad names are InputErrors."""
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"unknown device {name!r}; expected cpu, cuda, cuda:N or auto") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise InputError(f"device {name!r} is not supported; expected cpu, cuda, cuda:N or auto")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {name} requested but CUDA is not available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise InputError(f"device {name} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
-    return str(dev)
 
 
 def run(args: argparse.Namespace, on_text=None) -> dict:
@@ -224,6 +138,9 @@ def _explain(args, out: dict) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not plugins_loaded(argv):                 # before the parser: a plugin's methods bring flags
+        return 2
     args = build_parser().parse_args(argv)
     return guarded(_main, args)
 

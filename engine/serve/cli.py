@@ -6,7 +6,7 @@ import argparse
 import sys
 import threading
 
-from ..cli import DTYPE_CHOICES, Parser, add_decoding_flags, guarded
+from ..frontend import DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, guarded, plugins_loaded
 from ..errors import InputError
 from ..methods import METHODS
 from .routes import build_app
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="greedy", choices=list(METHODS),
                    help="default decoding method; requests may choose another")
     add_decoding_flags(p)
+    add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--threads", type=int, help="torch CPU threads of the worker (default: torch's; on a shared "
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not plugins_loaded(argv):                 # a plugin's methods are the server's to offer
+        return 2
     args = build_parser().parse_args(argv)
     return guarded(_main, args)
 

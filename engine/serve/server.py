@@ -10,7 +10,7 @@ from pathlib import Path
 
 from models import CheckpointError, ModelConfig, Tokenizer
 
-from ..cli import DEFAULT_MODEL_DIR, decoding_options, resolve_device
+from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device
 from ..config import DecodeConfig, check_prompts
 from ..errors import InputError
 from ..options import OPTIONS

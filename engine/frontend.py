@@ -1,0 +1,174 @@
+"""What every command-line front end shares (engine.generate, engine.calibrate, engine.serve, bench.eval,
+bench.speed, bench.lm_eval): the parser with one-line errors, one flag per decoding option of the
+table, the device and model-directory defaults, the error guard, and plugins: modules that register
+their own policies and methods (`engine.register`) before any parser is built, so that their
+methods and flags appear everywhere (`--plugin MODULE_OR_FILE`, `$PSD_PLUGINS`, or the
+`psd_engine.plugins` entry-point group of an installed package).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from models import DTYPES, CheckpointError
+
+from .errors import DecodingError, InputError
+from .graph import DraftGraph
+from .methods import METHODS, methods_taking, policy_methods
+from .options import OPTIONS, join
+
+PLUGIN_ENV = "PSD_PLUGINS"                  # comma-separated modules or .py files
+PLUGIN_GROUP = "psd_engine.plugins"         # entry points of installed packages
+_LOADED: dict[str, object] = {}
+
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
+DTYPE_CHOICES = [d for d in DTYPES if d != "float16"]      # the kernels' parity dtypes and bf16
+
+
+class Parser(argparse.ArgumentParser):
+    """One-line errors; no abbreviated flags (`--prompt` must not silently mean `--prompt-file`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _option_help(o) -> str:
+    """An option's help: what it is, which methods take it, its default (a policy's own where
+    the policy holds it): all read from the option and method tables."""
+    if o.general:
+        return o.help + ("" if o.default is None else f" (default: {o.default})")
+    takers = methods_taking(o.name)
+    per_policy = [f"{m} {METHODS[m].policy.defaults()[o.name]}" for m in policy_methods()
+                  if o.name in METHODS[m].policy.defaults()]
+    default = f"; default: {', '.join(per_policy)}" if per_policy else "" if o.default is None else f"; default: {o.default}"
+    return f"{o.help} ({join(takers)}{default})"
+
+
+def add_decoding_flags(p: argparse.ArgumentParser, names=None) -> None:
+    """One flag per decoding option of engine/options.py (all, or `names`); every default is None
+    so that only what the user gave reaches DecodeConfig (options that do not apply are errors)."""
+    for o in OPTIONS.values():
+        if names is not None and o.name not in names:
+            continue
+        choices = o.allowed() or None
+        if o.kind is bool:                 # a switch: given = True
+            p.add_argument(o.flag, dest=o.name, default=None, action="store_const", const=True, help=_option_help(o))
+            continue
+        p.add_argument(o.flag, dest=o.name, default=None, choices=choices, help=_option_help(o),
+                       type=str if o.kind is DraftGraph else o.kind,
+                       metavar="PATH" if o.kind is DraftGraph else o.metavar)
+
+
+def decoding_options(args: argparse.Namespace, names=None) -> dict:
+    """The decoding options the user gave on the command line, parsed (a graph path is loaded)."""
+    out = {}
+    for o in OPTIONS.values():
+        value = getattr(args, o.name, None)
+        if value is not None and (names is None or o.name in names):
+            out[o.name] = o.parse(value) if o.kind is DraftGraph else value
+    return out
+
+
+def guarded(run, *args, errors: tuple = ()) -> int:
+    """Run a command's body: bad input (InputError, CheckpointError and `errors`) becomes one
+    `error:` line on stderr and exit status 2."""
+    try:
+        return run(*args)
+    except (InputError, CheckpointError, DecodingError) + errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:             # the reader went away (`| head`): no traceback, no more output
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def add_plugin_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plugin", action="append", metavar="MODULE", default=[],
+                   help=f"import a module (or a .py file) that registers policies/methods before the flags are "
+                        f"read; repeatable (also ${PLUGIN_ENV}, comma-separated, and installed "
+                        f"'{PLUGIN_GROUP}' entry points)")
+
+
+def _plugin_names(argv) -> list[str]:
+    names = [n.strip() for n in os.environ.get(PLUGIN_ENV, "").split(",") if n.strip()]
+    it = iter(argv)
+    for a in it:
+        if a == "--plugin":
+            names.append(next(it, ""))
+        elif a.startswith("--plugin="):
+            names.append(a.split("=", 1)[1])
+    return names
+
+
+def _import(name: str):
+    if not name:
+        raise InputError("--plugin needs a module name or a .py file")
+    if name.endswith(".py"):
+        path = Path(name)
+        if not path.is_file():
+            raise InputError(f"plugin file {name} not found")
+        spec = importlib.util.spec_from_file_location(f"psd_plugin_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(name)
+
+
+def plugins_loaded(argv) -> bool:
+    """Load the plugins `argv` names (see load_plugins) before a front end builds its parser; False
+    after one `error:` line (the front end then exits with status 2)."""
+    return guarded(lambda: (load_plugins(argv), 0)[1]) == 0
+
+
+def load_plugins(argv=None) -> list[str]:
+    """Import every plugin named in `argv` (`--plugin`), in $PSD_PLUGINS and by installed entry points,
+    once each; a plugin that cannot be imported is one InputError naming it and why."""
+    argv = sys.argv[1:] if argv is None else argv
+    names = _plugin_names(argv)
+    try:
+        from importlib.metadata import entry_points
+
+        names += [ep.value for ep in entry_points(group=PLUGIN_GROUP)]
+    except Exception:                                    # no metadata: no installed plugins
+        pass
+    for name in names:
+        if name in _LOADED:
+            continue
+        try:
+            _LOADED[name] = _import(name)
+        except InputError:
+            raise
+        except Exception as e:                           # ImportError, or the plugin's own failure
+            raise InputError(f"cannot load plugin {name!r}: {type(e).__name__}: {e}") from None
+    return names
+
+
+def resolve_device(name: str) -> str:
+    """A torch device string from cpu, cuda, cuda:N or auto (CUDA when present); bad names are InputErrors."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"unknown device {name!r}; expected cpu, cuda, cuda:N or auto") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device {name!r} is not supported; expected cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {name} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InputError(f"device {name} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return str(dev)
