@@ -10,7 +10,7 @@ import operator
 
 from .errors import InputError
 from .graph import DraftGraph
-from .methods import METHODS, Method
+from .methods import METHODS, Method, methods_taking
 from .options import OPTIONS, RUNTIME, join
 from .policies import Policy
 
@@ -82,8 +82,6 @@ class DecodeConfig:
         takes = self.spec.takes(self)
         for name in self.given:
             if not OPTIONS[name].general and name not in takes:
-                from .methods import methods_taking
-
                 raise InputError(f"{OPTIONS[name].what} applies to {join(methods_taking(name))}, "
                                  f"not to {self.method}")
         if self.graph is not None and "depth" in self.given:
