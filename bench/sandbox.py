@@ -780,7 +780,10 @@ def _main():
             raise OSError("privileges were not dropped: %s" % caps)
     script = WRAPPER % (tuple(job["disable"]), job["tail"], job["code"])
     job = None
-    interp = interpreters.create(isolated=False)
+    try:  # threads and subprocesses allowed, as in the main interpreter
+        interp = interpreters.create(isolated=False)
+    except TypeError:  # Python >= 3.12 takes a config instead
+        interp = interpreters.create()
     write, exit_ = posix.write, posix._exit
     passed, ended = b"\n" + nonce + b" passed \n", b"\n" + nonce + b" ended \n"
 
