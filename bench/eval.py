@@ -47,6 +47,13 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name.strip(), opts
 
 
+def method_config(name: str, opts: dict, **run) -> DecodeConfig:
+    """The checked config of one method spec: the run's settings (`run`: gen_length, block_length,
+    cache) with the spec's own options over them, so `psd:cross_block=1,cache=dual` is the
+    config's own one-line error (cross-block needs cache none), never a clash of arguments."""
+    return DecodeConfig(method=name, **{**run, **opts}).validate()
+
+
 def _dist():
     """(rank, world) from torchrun's environment; initialises gloo/nccl when world > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -71,8 +78,7 @@ def _gather(obj, world):
 
 def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None):
     """Decode all problems with one method; returns (per-problem records, wall seconds, results)."""
-    cfg = DecodeConfig(method=name, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
-                       **opts).validate()
+    cfg = method_config(name, opts, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
     offset = [0]     # trace rows are batch indices: shift them to problem indices
     dec = Decoder(model, cfg, trace=None if trace is None else (lambda rows, *rest: trace(rows + offset[0], *rest)))
     records, all_res = [], []
@@ -92,8 +98,9 @@ def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None
             all_res.append(r)
     wall = time.perf_counter() - t0
     # scoring is outside the timed region (code runs in a sandbox)
-    ok = task.score_batch([rec["completion"] for rec in records], problems) if hasattr(task, "score_batch") \
-        else [task.score(rec["completion"], p) for rec, p in zip(records, problems)]
+    kw = {"isolation": sandbox_mode(args)} if getattr(task, "RUNS_CODE", False) else {}
+    ok = task.score_batch([rec["completion"] for rec in records], problems, **kw) if hasattr(task, "score_batch") \
+        else [task.score(rec["completion"], p, **kw) for rec, p in zip(records, problems)]
     for rec, good in zip(records, ok):
         rec["correct"] = bool(good)
     return records, wall, all_res
@@ -146,6 +153,10 @@ def main(argv=None) -> int:
                                  "(default: a fresh runs/eval-<task>-<time>/results.jsonl)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--plot", help="directory for the PNG figures")
+    p.add_argument("--unsafe-sandbox", action="store_true",
+                   help="code suites: run generated code with the sandbox's reduced isolation (rlimits and "
+                        "per-program processes, no filesystem or network isolation) where Linux namespace "
+                        "isolation is unavailable; without it such a machine is an error before decoding")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -216,11 +227,53 @@ def _output_file(args, rank: int) -> Path:
     return out
 
 
+def sandbox_mode(args) -> str | None:
+    """The sandbox isolation generated code runs under: None (Linux namespaces, or the sandbox
+    refuses), or "fallback" with --unsafe-sandbox (reduced isolation, an explicit opt-in)."""
+    return "fallback" if getattr(args, "unsafe_sandbox", False) else None
+
+
+def check_sandbox(mode: str | None) -> str:
+    """The isolation level code will be scored under, probed once before anything is decoded; an
+    InputError of one line where namespace isolation is unavailable and the user did not opt in."""
+    from . import sandbox
+
+    try:
+        return sandbox.isolation(mode)
+    except sandbox.SandboxUnavailable as e:
+        raise InputError(f"this suite scores generated code, and Linux namespace isolation for it is unavailable "
+                         f"here ({_reason(str(e))}); pass --unsafe-sandbox to run it with reduced isolation "
+                         f"(rlimits and per-program processes only, no filesystem or network isolation)") from None
+
+
+def _reason(message: str) -> str:
+    """The sandbox's reason out of its SandboxUnavailable message ("... unavailable here (WHY); ..."), one line."""
+    head, sep, rest = message.partition("unavailable here (")
+    why = rest.rsplit("); refusing", 1)[0] if sep and "); refusing" in rest else message
+    return " ".join(why.split())
+
+
+def _load_problems(task, path, limit, source: str) -> list[dict]:
+    """The problems of a data file, every row checked for the fields the suite needs before
+    anything is decoded."""
+    try:
+        problems = task.load(path, limit=limit)      # --data None: the suite's shipped file
+    except (KeyError, TypeError, AttributeError) as e:         # records of the wrong shape
+        raise InputError(f"{source} does not hold {task.NAME} problems: a record lacks or mistypes the field "
+                         f"{e}") from None
+    task.check(problems, source)
+    return problems
+
+
 def _run(args) -> int:
     rank, world = _dist()
     task = get_task(args.task)
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.few_shot is not None and args.few_shot < 0:
+        raise InputError(f"--few-shot must be >= 0, got {args.few_shot}")
     specs = [parse_method(s) for s in args.methods]
     if specs[0][0] != "greedy" or specs[0][1]:
         specs = [s for s in specs if s != ("greedy", {})]
@@ -228,27 +281,35 @@ def _run(args) -> int:
     if args.gen_length is None:
         args.gen_length = GEN_LENGTH[args.task]
     for name, opts in specs:                        # every spec is checked before the first one runs
-        DecodeConfig(method=name, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache,
-                     **opts).validate()
-    try:
-        problems = task.load(args.data, limit=args.limit)       # --data None: the suite's shipped file
-        for pr in problems:
-            if not isinstance(task.format_prompt(pr, []), str) or not isinstance(pr.get("id"), (str, int)):
-                raise TypeError("'id'")
-    except (KeyError, TypeError, AttributeError) as e:         # records of the wrong shape
-        raise InputError(f"--data {args.data or 'file'} does not hold {args.task} problems: a record lacks "
-                         f"or mistypes the field {e}") from None
+        method_config(name, opts, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
+    data = f"--data {args.data}" if args.data else f"the {args.task} data"
+    problems = _load_problems(task, args.data, args.limit, data)
     if not problems:
         raise InputError(f"the {args.task} data holds no problem")
-    k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot
-    shots = task.few_shot(k, args.few_shot_data or args.data) if k else []
     if not Path(args.model).is_dir():
         raise CheckpointError(f"model directory {args.model} does not exist")
+    window = ModelConfig.from_dir(args.model).max_length
+    k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot
+    room = window - args.gen_length
+    if k > max(room, 0):                            # bounded before a single example is built
+        raise InputError(f"--few-shot {k} cannot fit the model's {window}-token window: --gen-length "
+                         f"{args.gen_length} leaves {max(room, 0)} tokens for the prompt, and every example "
+                         f"takes at least one")
+    shots_path = args.few_shot_data or args.data
+    try:
+        shots = task.few_shot(k, shots_path) if k else []
+    except (KeyError, TypeError, AttributeError) as e:
+        raise InputError(f"the few-shot data does not hold {args.task} examples: a record lacks or mistypes "
+                         f"the field {e}") from None
+    if len(shots) < k:
+        raise InputError(f"--few-shot {k}: the few-shot data holds only {len(shots)} examples")
+    task.check(shots, "the few-shot data")
     tok = Tokenizer(args.model)
-    too_long = window_error(task, problems, k, args.few_shot_data or args.data, tok.encode,
-                            ModelConfig.from_dir(args.model).max_length, args.gen_length, args.block_length)
+    too_long = window_error(task, problems, k, shots_path, tok.encode, window, args.gen_length, args.block_length)
     if too_long:                                  # say so before loading weights, with a setting that fits
         raise InputError(too_long)
+    if getattr(task, "RUNS_CODE", False):           # generated code will run: is the sandbox usable here?
+        check_sandbox(sandbox_mode(args))
     if args.plot and rank == 0:                     # outputs are checked writable before any decoding
         _writable_dir(Path(args.plot), "--plot")
     out = _output_file(args, rank)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import os
 import re
 import shlex
 import statistics
@@ -47,12 +48,14 @@ from engine.cache import Window
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, guarded, plugins_loaded,
                              resolve_device)
 from engine.config import check_prompts
+from engine.errors import check_regular, read_user_text
 from engine.methods import METHODS
 from engine.options import RUNTIME
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
+from models.checkpoint import available_memory
 
 from ._common import bench_threads, device_name, versions
-from .eval import parse_method
+from .eval import method_config, parse_method
 
 PROFILE_FORMAT = "psd-cost-profile/1"
 RANDOM_NOTE = ("random weights (--shape): acceptance, TPF and tokens/s mean nothing here; read the call cost "
@@ -239,10 +242,7 @@ def method_plan(specs: list[str]) -> list[dict]:
 # ---------------------------------------------------------------------- prompts
 def read_prompt_file(path: str) -> list[str]:
     """One prompt per line; a line holding a JSON object uses its "prompt" field (JSONL files)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read prompt file {path}: {getattr(e, 'strerror', None) or e}") from None
+    lines = read_user_text(path, "prompt file").splitlines()      # a regular file of sane size, checked first
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -311,8 +311,8 @@ def _merge(hists: list[dict]) -> dict:
 def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen_length, block_length,
                    repeats, warmup, pbar) -> list[dict]:
     """Decode `prompts` with every method of `plan`, repeats interleaved in rotating order."""
-    decs = {e["label"]: Decoder(model, DecodeConfig(method=e["name"], gen_length=gen_length,
-                                                    block_length=block_length, cache=cache, **e["opts"]))
+    decs = {e["label"]: Decoder(model, method_config(e["name"], e["opts"], gen_length=gen_length,
+                                                     block_length=block_length, cache=cache))
             for e in plan}
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     labels = [e["label"] for e in plan]
@@ -512,6 +512,7 @@ def build_parser() -> Parser:
     p.add_argument("--cost-cache", default="dual", choices=list(CACHE_MODES), help="--cost-curve: cache mode")
     p.add_argument("--cost-reps", type=int, help="--cost-curve: timed calls per point (default: 20 GPU, 5 CPU)")
     p.add_argument("--cost-profile-out", help="--cost-curve: the cost profile JSON (default: OUT/cost_profile.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --cost-profile-out file")
     p.add_argument("--out", help="output directory (default: a fresh runs/speed-<time>/)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -539,10 +540,62 @@ def _check_args(args) -> None:
                          f"got {len(args.num_prompts)}")
     if args.shape and args.prompts:
         raise InputError("--prompts needs a checkpoint (--model); --shape decodes random prompts")
-    if args.prompts and not Path(args.prompts).is_file():
-        raise InputError(f"prompt file {args.prompts} does not exist")
+    if args.prompts:
+        check_regular(args.prompts, "prompt file", InputError)
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise InputError(f"--out {args.out} exists and is not a directory")
+    if args.cost_profile_out is not None:
+        check_output_file(Path(args.cost_profile_out), "--cost-profile-out", args.overwrite, args.cost_curve)
+
+
+def check_output_file(path: Path, flag: str, overwrite: bool, applies: bool = True) -> None:
+    """An output file is checked before anything is measured: a directory, an existing file
+    without --overwrite or a directory that cannot be created or written is one error line."""
+    if not applies:
+        raise InputError(f"{flag} applies to --cost-curve only")
+    if path.is_dir():
+        raise InputError(f"{flag} {path} is a directory; give a file path")
+    if os.path.lexists(path) and not overwrite:
+        raise InputError(f"{flag} {path} exists; pass --overwrite to replace it")
+    if os.path.lexists(path) and not path.is_file():
+        raise InputError(f"{flag} {path} is not a regular file")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot create its directory {parent} ({e.strerror})") from None
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"{flag} {path}: not writable")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def check_memory(mc: ModelConfig, name: str, dtype: torch.dtype, device: torch.device, tokens: int) -> None:
+    """Random weights at a real shape are built in memory: the weights and the KV cache of the
+    largest configuration (`tokens` positions, all sequences of a batch together) must fit the
+    device's memory, else one error line before anything is allocated (an estimate from below:
+    activations and logits come on top)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    weights = mc.parameter_count() * size
+    cache = tokens * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * size
+    have = available_memory(device)
+    if weights + cache > have:
+        where = "GPU" if device.type == "cuda" else "machine"
+        raise InputError(f"--shape {name} needs at least {_gib(weights + cache)} ({_gib(weights)} of "
+                         f"{str(dtype).removeprefix('torch.')} weights, {mc.parameter_count() / 1e9:.2f}B parameters, "
+                         f"+ {_gib(cache)} of KV cache for {tokens} positions), more than this {where}'s "
+                         f"{_gib(have)} of memory; use a smaller shape, a GPU with more memory or --model DIR")
+
+
+def _largest_tokens(args, plan) -> int:
+    """Positions held at once by the largest configuration (a lower bound: every sequence of the
+    batch, its prompt, generation and, for a cost curve, every draft block of one call)."""
+    if args.cost_curve:
+        return max(args.batch_sizes) * (max(args.prefix) + max(args.rows) * args.block_length)
+    plen = max(args.prompt_length or [64])
+    return max(args.batch_sizes) * (plen + max(args.gen_length))
 
 
 def main(argv=None) -> int:
@@ -561,8 +614,7 @@ def _run(args, argv) -> int:
         for gl in args.gen_length:          # every option checked before any weight is read
             for cache in args.cache:
                 for e in plan:
-                    DecodeConfig(method=e["name"], gen_length=gl, block_length=args.block_length, cache=cache,
-                                 **e["opts"]).validate()
+                    method_config(e["name"], e["opts"], gen_length=gl, block_length=args.block_length, cache=cache)
     if args.threads:
         torch.set_num_threads(args.threads)
     else:
@@ -573,6 +625,7 @@ def _run(args, argv) -> int:
     tok = None
     if random_weights:
         mc, model_name = shape_config(args.shape), args.shape
+        check_memory(mc, args.shape, dtype, device, _largest_tokens(args, plan))
     else:
         model_dir = Path(args.model or DEFAULT_MODEL_DIR)
         if not model_dir.is_dir():
@@ -629,7 +682,10 @@ def _run(args, argv) -> int:
                    "curves": [{**meta, **c} for c in curves]}
         prof_path = Path(args.cost_profile_out) if args.cost_profile_out else out / "cost_profile.json"
         prof_path.parent.mkdir(parents=True, exist_ok=True)
-        prof_path.write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
+        try:
+            prof_path.write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:                    # checked up front; a disk that filled up since is still one line
+            raise InputError(f"--cost-profile-out {prof_path}: cannot write ({e.strerror})") from None
         flat = [{"prefix": c["prefix"], "batch": c["batch"], "rows": R, "block_length": args.block_length,
                  "cache": args.cost_cache, "ms": ms, "ms_min": lo, "x1": ms / c["ms"][0]}
                 for c in curves for R, ms, lo in zip(c["rows"], c["ms"], c["ms_min"])]

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from .cost import CostModel, measure
+from .cost import CostModel, measure, read_profile
 from .graph import DraftGraph, Plan, make_plan
 
 PRIOR_Q, PRIOR_WEIGHT = 0.8, 4.0
@@ -47,6 +47,8 @@ class DraftBudget:
         self.full, self.selection, self.device = graph, selection, device
         self.cost, self.profile, self.cache, self.key = cost, profile, cache, key
         self.timed = cost is None and profile is None    # measured costs are corrected by block times
+        # a profile is read and checked now, before anything is decoded (a bad one is one InputError)
+        self.curves = read_profile(profile) if cost is None and profile is not None else None
         K = len(graph)
         self.tried = torch.zeros(K, device=device)            # verified with an accepted parent
         self.accepted = torch.zeros(K, device=device)
@@ -166,7 +168,8 @@ class DraftBudget:
         if self.timed:
             self.cost = self._measured(run, call)
         elif self.cost is None:
-            self.cost = CostModel.from_profile(self.profile, self.cache, run.win.block_length, run.win.lo)
+            self.cost = CostModel.from_profile(self.profile, self.cache, run.win.block_length, run.win.lo,
+                                               self.curves)
         self.block_length = run.win.block_length
         q, c, tokens, calls = self.rates()
         nodes = self.choose(run.seqs.numel(), q, c, tokens, calls)

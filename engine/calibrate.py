@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from .config import DecodeConfig
-from .errors import InputError
+from .errors import InputError, read_user_text
 from .graph import DraftGraph
 from .loop import Decoder
 from .methods import METHODS, policy_methods
@@ -84,10 +84,7 @@ def select_nodes(freq: Counter, nodes: int) -> DraftGraph:
 
 def _read_prompts(path: str, tok) -> list[list[int]]:
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read prompts file {path}: {getattr(e, 'strerror', None) or e}") from None
+    text = read_user_text(p, "prompts file")        # a regular file of sane size (a FIFO would block)
     if p.suffix == ".jsonl":
         lines = []
         for n, line in enumerate(text.splitlines(), 1):

@@ -13,7 +13,7 @@ from pathlib import Path
 from models import CheckpointError, ModelConfig, Tokenizer
 
 from .config import DecodeConfig
-from .errors import InputError
+from .errors import InputError, read_user_text
 from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, decoding_options, guarded,
                        plugins_loaded, resolve_device)
 from .methods import METHODS
@@ -46,7 +46,7 @@ def _read_prompt(args) -> str:
             sample = Path(args.model) / "sample_prompt.txt"
             if not sample.is_file():
                 raise InputError("no prompt given (pass PROMPT, '-' for stdin, or --prompt-file)")
-            text = sample.read_text(encoding="utf-8")
+            text = read_user_text(sample, "the model's sample prompt")
             print(f"prompt (the model's sample question): {text!r}", file=sys.stderr)
             args.sample_answer = Path(args.model) / "sample_answer.txt"
             return text
@@ -57,10 +57,7 @@ def _read_prompt(args) -> str:
             return stdin.read().decode("utf-8") if stdin is not None else sys.stdin.read()
         except UnicodeDecodeError as e:
             raise InputError(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        return Path(src).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read prompt file {src}: {e.strerror if isinstance(e, OSError) else e}") from None
+    return read_user_text(src, "prompt file")      # a regular file of sane size (a FIFO would block)
 
 
 def run(args: argparse.Namespace, on_text=None) -> dict:

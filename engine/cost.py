@@ -41,30 +41,66 @@ class CostModel:
         return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
     @classmethod
-    def from_profile(cls, path: str | Path, cache: str, block_length: int, prefix: int) -> "CostModel":
+    def from_profile(cls, path: str | Path, cache: str, block_length: int, prefix: int,
+                     curves: list[dict] | None = None) -> "CostModel":
         """The curves of a `bench.speed --cost-curve` profile for this cache mode and block length,
-        at the profiled prefix nearest to `prefix`; points = (batch · rows, ms)."""
+        at the profiled prefix nearest to `prefix`; points = (batch · rows, ms). `curves`: the
+        profile as `read_profile` returned it (read now if not given)."""
         path = Path(path)
-        raw = read_json(path, "cost profile")
-        curves = raw.get("curves") if isinstance(raw, dict) else None
-        if not isinstance(curves, list) or (isinstance(raw, dict) and raw.get("format", PROFILE_FORMAT) != PROFILE_FORMAT):
-            raise InputError(f"cost profile {path} is not a {PROFILE_FORMAT} file (bench.speed --cost-curve writes one)")
-        try:
-            fit = [c for c in curves if c["cache"] == cache and c["block_length"] == block_length]
-            have = sorted({(str(c["cache"]), str(c["block_length"])) for c in curves})
-            near = min({c["prefix"] for c in fit}, key=lambda s: abs(math.log(max(s, 1) / max(prefix, 1))),
-                       default=None)
-            pts = [(c["batch"] * r, t) for c in fit if c["prefix"] == near for r, t in zip(c["rows"], c["ms"])]
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"cost profile {path}: every curve needs cache, block_length, prefix, batch, rows "
-                             f"and ms") from None
+        curves = read_profile(path) if curves is None else curves
+        fit = [c for c in curves if c["cache"] == cache and c["block_length"] == block_length]
+        have = sorted({(c["cache"], c["block_length"]) for c in curves})
         if not fit:
             raise InputError(f"cost profile {path} has no curve for cache {cache} and block length {block_length} "
                              f"(it has {', '.join(f'{a}/{b}' for a, b in have) or 'none'})")
+        near = min({c["prefix"] for c in fit}, key=lambda s: abs(math.log(max(s, 1) / max(prefix, 1))))
+        pts = [(c["batch"] * r, t) for c in fit if c["prefix"] == near for r, t in zip(c["rows"], c["ms"])]
         best: dict[int, float] = {}
         for n, t in pts:                          # one time per canvas count: the fastest measured
             best[n] = min(t, best.get(n, float("inf")))
         return cls(list(best), list(best.values()), f"{path} (prefix {near})")
+
+
+def _is_int(v, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _is_ms(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _show(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def read_profile(path: str | Path) -> list[dict]:
+    """The curves of a cost profile file, every field type-checked (an InputError of one line naming
+    the curve and the field otherwise): the file is read once, before anything is decoded."""
+    path = Path(path)
+    raw = read_json(path, "cost profile")
+    curves = raw.get("curves") if isinstance(raw, dict) else None
+    if not isinstance(curves, list) or raw.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
+        raise InputError(f"cost profile {path} is not a {PROFILE_FORMAT} file (bench.speed --cost-curve writes one)")
+    checks = (("cache", lambda v: isinstance(v, str), "a cache mode (a string)"),
+              ("block_length", lambda v: _is_int(v, 1), "a positive integer"),
+              ("prefix", lambda v: _is_int(v, 0), "a non-negative integer"),
+              ("batch", lambda v: _is_int(v, 1), "a positive integer"),
+              ("rows", lambda v: isinstance(v, list) and v and all(_is_int(r, 1) for r in v),
+               "a non-empty list of positive integers"),
+              ("ms", lambda v: isinstance(v, list) and all(map(_is_ms, v)), "a list of positive finite numbers"))
+    for i, c in enumerate(curves):
+        if not isinstance(c, dict):
+            raise InputError(f"cost profile {path}: curve {i} is not an object")
+        for key, ok, expected in checks:
+            if key not in c:
+                raise InputError(f"cost profile {path}: curve {i} lacks {key!r} (every curve needs cache, "
+                                 f"block_length, prefix, batch, rows and ms)")
+            if not ok(c[key]):
+                raise InputError(f"cost profile {path}: curve {i}: {key} must be {expected}, got {_show(c[key])}")
+        if len(c["rows"]) != len(c["ms"]):
+            raise InputError(f"cost profile {path}: curve {i} has {len(c['rows'])} rows but {len(c['ms'])} ms values")
+    return curves
 
 
 def measure(call, counts: list[int], device, reps: int = 3) -> CostModel:

@@ -1,8 +1,10 @@
 """Errors a caller causes with bad arguments or input; the CLI prints them in one line, exit 2."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from models.config import MAX_FILE_BYTES, check_regular, read_bytes, read_text  # noqa: F401  (one checked reader)
+from models.config import read_json as _read_checked_json
 
 
 class InputError(ValueError):
@@ -14,10 +16,12 @@ class DecodingError(RuntimeError):
 
 
 def read_json(path: Path, what: str):
-    """The parsed JSON file a caller named (`what`: how messages call it), or an InputError."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{what} {path} not found") from None
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot read {what} {path}: {e}") from None
+    """The parsed JSON file a caller named (`what`: how messages call it), or an InputError. The
+    file is checked to be a regular file of at most MAX_FILE_BYTES before it is opened
+    (models.config.read_json, the one reader of named files)."""
+    return _read_checked_json(path, what, InputError)
+
+
+def read_user_text(path, what: str) -> str:
+    """The UTF-8 text of a file a caller named, checked as `read_json` checks, or an InputError."""
+    return read_text(path, what, InputError)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, _Fields, _read_json
+from .config import ModelConfig, _Fields, check_regular, read_json
 from .errors import CheckpointError
 from .transformer import Transformer
 
@@ -81,8 +81,44 @@ def _one_line(text) -> str:
 
 
 def _regular(f: Path, what: str) -> None:
-    if f.exists() and not f.is_file():      # a directory, a FIFO (which would block a read), a socket
+    if os.path.lexists(f) and not f.is_file():      # a directory, a FIFO (which would block a read), a socket
         raise CheckpointError(f"{what} {f} is not a regular file")
+
+
+def available_memory(device: str | torch.device = "cpu") -> int:
+    """Bytes of memory on `device`: a CUDA device's total memory, else the machine's physical memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):      # not a POSIX sysconf: no bound from memory
+        return 1 << 62
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def check_fits(config: ModelConfig, dtype: torch.dtype, device, source: str = "the config",
+               files_bytes: int | None = None) -> int:
+    """The bytes of the weights `config` implies at `dtype`; a CheckpointError before anything is
+    built when they exceed the memory of `device`, or when the checkpoint's tensor files
+    (`files_bytes`) are too small to hold them even in a 2-byte dtype (a config whose sizes are
+    absurd, say n_layers 10^9 or a hidden size of 2^40, fails here, not in an allocation)."""
+    n = config.parameter_count()
+    need = n * torch.empty((), dtype=dtype).element_size()
+    sizes = (f"{config.num_layers} layers, hidden size {config.hidden_size}, MLP size {config.intermediate_size}, "
+             f"vocabulary {config.vocab_size}")
+    if files_bytes is not None and 2 * n > files_bytes:
+        raise CheckpointError(f"{source} implies {n:.4g} parameters ({sizes}), at least {_gib(2 * n)}, but the "
+                              f"checkpoint's tensor files hold {_gib(files_bytes)}")
+    have = available_memory(device)
+    if need > have:
+        where = "GPU" if torch.device(device).type == "cuda" else "machine"
+        raise CheckpointError(f"{source} implies {n:.4g} parameters ({sizes}): {_gib(need)} in "
+                              f"{_dtype_name(dtype)}, more than this {where}'s {_gib(have)} of memory")
+    return need
 
 
 def _open_error(f: Path, e: Exception) -> CheckpointError:
@@ -106,7 +142,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     single = path / "model.safetensors"
     _regular(index, "the index")
     if index.is_file():
-        idx = _Fields(_read_json(index), str(index))
+        idx = _Fields(read_json(index), str(index))
         weight_map = idx.raw.get("weight_map")
         if weight_map is None:
             raise CheckpointError(f"{index} lacks the required field 'weight_map'")
@@ -176,11 +212,14 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
             raise CheckpointError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
     config = ModelConfig.from_dir(path)
+    files = _tensor_files(path)
+    check_fits(config, dtype, device, str(path / "config.json"),
+               sum(check_regular(f, "the shard").st_size for f in set(files.values())))
     with torch.device("meta"):
         model = Transformer(config)
     shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
     state = {}
-    for fpath, names in _shards(config, path).items():          # one shard open at a time
+    for fpath, names in _shards(config, path, files).items():          # one shard open at a time
         with _safe_open(fpath) as f:
             held = set(f.keys())
             for internal, name in names.items():
@@ -192,11 +231,11 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
     return model.eval()
 
 
-def _shards(config: ModelConfig, path: Path) -> dict[Path, dict[str, str]]:
+def _shards(config: ModelConfig, path: Path, files: dict[str, Path] | None = None) -> dict[Path, dict[str, str]]:
     """file -> {internal name: checkpoint name} of every tensor the config expects; an unexpected
     or missing tensor is an error naming it."""
     expected = checkpoint_names(config)
-    files = _tensor_files(path)
+    files = _tensor_files(path) if files is None else files
     known = set(expected.values())
     for name in files:
         if name not in known and not name.endswith(_IGNORED_SUFFIXES):

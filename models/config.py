@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,9 +161,10 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         cfg_path = path / "config.json"
-        raw = _read_json(cfg_path)
+        raw = read_json(cfg_path)
         gen_path = path / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.is_file() else None
+        # present means read: a FIFO or a directory under that name is an error, never skipped or waited on
+        gen = read_json(gen_path) if os.path.lexists(gen_path) else None
         return cls.from_hf(raw, gen, source=str(cfg_path), gen_source=str(gen_path))
 
     def to_hf(self) -> dict:
@@ -175,6 +178,13 @@ class ModelConfig:
         if self.pad_token_id is not None:
             out["pad_token_id"] = self.pad_token_id
         return out
+
+    def parameter_count(self) -> int:
+        """The parameters of a model of this config (exact: the Transformer's own tensors)."""
+        d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        block = attn + 3 * d * self.intermediate_size + 2 * d
+        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + self.num_layers * block + d
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -377,17 +387,91 @@ def _check_rope_scaling(r: _Fields) -> None:
                               f"(it implements plain RoPE); got {_show(rs)}")
 
 
-def _read_json(path: Path):
+# ---------------------------------------------------------------------- files a user names
+# The most bytes any file a user names is read into memory with (a config, an index, a tokenizer,
+# a cost profile, a draft graph, a prompts or task data file; a gzip file's content counts
+# decompressed): real ones are KBs to a few tens of MB, and `/dev/zero` must not read forever.
+MAX_FILE_BYTES = 256 << 20
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a plain file")
+
+
+def _named(what: str, path) -> str:
+    return f"{what} {path}" if what else str(path)
+
+
+def check_regular(path, what: str = "", error=CheckpointError, limit: int = MAX_FILE_BYTES) -> os.stat_result:
+    """The stat of `path` if it is a regular file of at most `limit` bytes, else `error` (one line
+    naming `what` and the path). Nothing is opened: a FIFO or a device never blocks or streams."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        st = os.stat(path)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} not found") from None
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"cannot read {path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"cannot read {path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise CheckpointError(f"cannot read {path}: JSON nested too deeply") from None
+        raise error(f"cannot read {_named(what, path)}: not found") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+        raise error(f"cannot read {_named(what, path)}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{_named(what, path)} is not a regular file ({_kind(st.st_mode)})")
+    if st.st_size > limit:
+        raise error(f"{_named(what, path)} is too large: {st.st_size} bytes, at most {limit} ({limit >> 20} MiB) "
+                    f"are read")
+    return st
+
+
+def read_bytes(path, what: str = "", error=CheckpointError, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of a file a user named, checked first (`check_regular`) and then opened without
+    blocking (a file swapped for a FIFO after the check fails instead of hanging); never more than
+    `limit` bytes are read."""
+    check_regular(path, what, error, limit)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise error(f"cannot read {_named(what, path)}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):           # replaced between the check and the open
+            raise error(f"{_named(what, path)} is not a regular file ({_kind(st.st_mode)})")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:                           # it grew after the check
+            raise error(f"{_named(what, path)} is too large: over {limit} bytes")
+        return b"".join(chunks)
+    except OSError as e:
+        raise error(f"cannot read {_named(what, path)}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def read_text(path, what: str = "", error=CheckpointError, limit: int = MAX_FILE_BYTES) -> str:
+    """A checked file's text (UTF-8; anything else is `error`)."""
+    data = read_bytes(path, what, error, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"cannot read {_named(what, path)}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def read_json(path, what: str = "", error=CheckpointError, limit: int = MAX_FILE_BYTES):
+    """The parsed JSON of a checked file; every failure is one `error` line naming the file."""
+    text = read_text(path, what, error, limit)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"cannot read {_named(what, path)}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise error(f"cannot read {_named(what, path)}: JSON nested too deeply") from None
+    except ValueError as e:                        # e.g. an integer of too many digits
+        raise error(f"cannot read {_named(what, path)}: {e}") from None
+
+
+def _read_json(path: Path):
+    return read_json(path)

@@ -11,9 +11,10 @@ globals Hugging Face provides (`raise_exception`, `strftime_now`, a JSON `tojson
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from .config import _Fields, _read_json
+from .config import _Fields, read_json, read_text
 from .errors import CheckpointError
 
 
@@ -27,22 +28,17 @@ class Tokenizer:
 
         path = Path(path)
         f = path / "tokenizer.json"
-        if not f.exists():
-            raise CheckpointError(f"{f} not found")
-        if not f.is_file():
-            raise CheckpointError(f"{f} is not a regular file")
+        text = read_text(f)              # a regular file of sane size, checked before it is opened
         try:
-            self._tok = _Tok.from_file(str(f))
+            self._tok = _Tok.from_str(text)
         except Exception as e:  # the tokenizers library raises a generic Exception subclass
             raise CheckpointError(f"cannot read {f}: {_one_line(e)}") from None
         self.size = self._tok.get_vocab_size(with_added_tokens=True)
         self.chat_template, self._specials, self._template = None, {}, None
         self._template_source = ""
         cfg = path / "tokenizer_config.json"
-        if cfg.exists():
-            if not cfg.is_file():
-                raise CheckpointError(f"{cfg} is not a regular file")
-            tc = _Fields(_read_json(cfg), str(cfg))
+        if os.path.lexists(cfg):
+            tc = _Fields(read_json(cfg), str(cfg))
             for k in ("bos_token", "eos_token"):
                 v = tc.raw.get(k)
                 if isinstance(v, dict) and isinstance(v.get("content"), str):   # a saved AddedToken
@@ -54,11 +50,8 @@ class Tokenizer:
             self.chat_template = _pick_template(tc)
             self._template_source = f"the chat_template of {cfg}"
         jinja = path / "chat_template.jinja"      # newer exporters write the template to its own file
-        if self.chat_template is None and jinja.is_file():
-            try:
-                self.chat_template = jinja.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"cannot read {jinja}: {_one_line(e)}") from None
+        if self.chat_template is None and os.path.lexists(jinja):
+            self.chat_template = read_text(jinja)
             self._template_source = f"the chat template {jinja}"
         if self.chat_template:
             self._template = self._compile()

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from .common import (DATA_DIR, Rng, assemble_program, check_code, extract_code,
-                     normalize_prompt, qa_prompt, read_jsonl)
+from .common import (DATA_DIR, ID, OBJECT, STR, STR_LIST, Rng, assemble_program, check_code, check_fields,
+                     extract_code, normalize_prompt, qa_prompt, read_jsonl)
 
 NAME = "code"
 TEST_SEED = 2002
@@ -50,6 +50,9 @@ MAX_ANSWER_CHARS = 120
 ANSWER_SEP = "\n"
 TIMEOUT_S = 5.0
 STOP_SEQUENCES = ("\nQuestion:", "\n\n")
+RUNS_CODE = True           # score runs generated code in bench.sandbox
+# what a problem needs to be decoded and scored (checked on every row before decoding)
+FIELDS = {"id": ID, "prompt": STR, "target": OBJECT, "target.entry_point": STR, "target.tests": STR_LIST}
 
 _INT_ARGS = ["x", "n", "a", "num", "val"]
 _INT2_ARGS = [("a", "b"), ("x", "y"), ("m", "n"), ("p", "q")]
@@ -508,12 +511,18 @@ def build_program(completion: str, problem: dict) -> str | None:
     return assemble_program(extract_code(completion, target["entry_point"]), target["tests"])
 
 
-def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S) -> bool:
+def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> bool:
     """True iff the extracted function passes all of the problem's asserts."""
-    return check_code([completion], [problem], build_program, timeout_s)[0]
+    return check_code([completion], [problem], build_program, timeout_s, isolation)[0]
 
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict],
-                timeout_s: float = TIMEOUT_S) -> list[bool]:
+                timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> list[bool]:
     """Same verdicts as ``score`` for each pair, in one sandbox call."""
-    return check_code(completions, problems, build_program, timeout_s)
+    return check_code(completions, problems, build_program, timeout_s, isolation)
+
+
+def check(problems: Sequence[dict], source: str) -> None:
+    """A one-line ValueError unless every problem has the fields ``FIELDS`` names (bench.eval
+    calls it on all rows before decoding anything)."""
+    check_fields(problems, FIELDS, source)

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
+import os
 import re
 import warnings
+import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
+
+from models.config import MAX_FILE_BYTES, check_regular, read_bytes
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -63,34 +68,108 @@ class Rng:
 
 
 def require_file(path) -> Path:
-    """Return ``Path(path)``; raise a one-line FileNotFoundError if missing."""
+    """Return ``Path(path)`` if it is a regular file of at most ``MAX_FILE_BYTES``; a one-line
+    FileNotFoundError if missing, ValueError if it is a directory, a FIFO, a device or too large
+    (checked without opening it: a FIFO would block, a device stream forever)."""
     p = Path(path)
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise FileNotFoundError(f"task data file not found: {p}")
+    check_regular(p, "task data file", ValueError)
     return p
+
+
+def read_data(path) -> bytes:
+    """The bytes of a task data file (a ``.gz`` file decompressed), never more than
+    ``MAX_FILE_BYTES`` of them (a gzip bomb is an error, not an allocation)."""
+    p = require_file(path)
+    data = read_bytes(p, "task data file", ValueError)
+    if not p.name.endswith(".gz"):
+        return data
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as g:
+            out = g.read(MAX_FILE_BYTES + 1)
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"cannot read {p}: not a valid gzip file ({e})") from None
+    if len(out) > MAX_FILE_BYTES:
+        raise ValueError(f"task data file {p} decompresses to more than {MAX_FILE_BYTES} bytes")
+    return out
 
 
 def read_jsonl(path) -> list[dict]:
     """Read a .jsonl or .jsonl.gz file (one JSON object per non-blank line)."""
-    p = require_file(path)
-    opener = gzip.open if p.name.endswith(".gz") else open
-    out = []
+    p = Path(path)
+    data = read_data(p)
     try:
-        with opener(p, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError as e:
-                    raise ValueError(f"{p}:{n}: not valid JSON ({e})") from None
-                if not isinstance(rec, dict):
-                    raise ValueError(f"{p}:{n}: expected a JSON object, got {type(rec).__name__}")
-                out.append(rec)
-    except (UnicodeDecodeError, OSError, EOFError) as e:
-        raise ValueError(f"cannot read {p}: {e}") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"cannot read {p}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{p}:{n}: not valid JSON ({e})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{p}:{n}: expected a JSON object, got {type(rec).__name__}")
+        out.append(rec)
     return out
+
+
+# --------------------------------------------------------------------------
+# the fields a suite's problems need, checked before anything is decoded
+
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_id(v) -> bool:
+    return isinstance(v, (str, int)) and not isinstance(v, bool)
+
+
+def _is_str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _is_number(v) -> bool:
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, (int, float, str)) and _to_number(str(v)) is not None
+
+
+ID = (_is_id, "a string or an integer")
+STR = (_is_str, "a string")
+STR_LIST = (_is_str_list, "a list of strings")
+NUMBER = (_is_number, "a number (or a string holding one)")
+OBJECT = (lambda v: isinstance(v, dict), "an object")
+OPT_STR = (lambda v: v is None or isinstance(v, str), "a string or null")
+
+
+def _json_type(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(v), type(v).__name__)
+
+
+def check_fields(problems: Sequence[dict], fields: dict, source: str) -> None:
+    """Every problem holds every field of ``fields`` (``{"target.tests": (test, description)}``,
+    dotted paths into nested objects) with a value of the right kind; else a one-line ValueError
+    naming ``source``, the problem and the field."""
+    for n, prob in enumerate(problems, 1):
+        pid = prob.get("id") if isinstance(prob, dict) else None
+        who = f"problem {pid!r}" if _is_id(pid) else f"record {n}"
+        for path, (ok, expected) in fields.items():
+            v, have = prob, True
+            for key in path.split("."):
+                if not isinstance(v, dict) or key not in v:
+                    have = False
+                    break
+                v = v[key]
+            if not have:
+                raise ValueError(f"{source}: {who} lacks the field {path!r}")
+            if not ok(v):
+                raise ValueError(f"{source}: {who}: field {path!r} must be {expected}, got {_json_type(v)}")
 
 
 def read_results(path, fields: Sequence[str]) -> list[dict]:
@@ -304,18 +383,23 @@ def assemble_program(code: str | None, tests: Sequence[str], imports: str = "", 
 
 
 def check_code(completions: Sequence[str], problems: Sequence[dict],
-               build_program: Callable[[str, dict], str | None], timeout_s: float) -> list[bool]:
+               build_program: Callable[[str, dict], str | None], timeout_s: float,
+               isolation: str | None = None) -> list[bool]:
     """The one code checker: ``build_program(completion, problem)`` (the suite's
     extraction + ``assemble_program``) for every pair, all programs in one
     ``run_python_batch`` call, solved iff the sandbox says ``passed``; a
-    completion with no extractable code (None) fails without running."""
-    from ..sandbox import run_python_batch
+    completion with no extractable code (None) fails without running. ``isolation``: the
+    sandbox's level (None: namespace isolation or ``SandboxUnavailable``; ``"fallback"``: the
+    reduced level a user opted in to, bench.eval --unsafe-sandbox)."""
+    from .. import sandbox
 
     progs = [build_program(c, p) for c, p in zip(completions, problems, strict=True)]
     idx = [i for i, prog in enumerate(progs) if prog is not None]
     out = [False] * len(progs)
     if idx:
-        for i, res in zip(idx, run_python_batch([progs[i] for i in idx], timeout_s=timeout_s), strict=True):
+        kw = {} if isolation is None else {"isolation": isolation}
+        for i, res in zip(idx, sandbox.run_python_batch([progs[i] for i in idx], timeout_s=timeout_s, **kw),
+                          strict=True):
             out[i] = res.ok
     return out
 
@@ -330,23 +414,46 @@ def window_error(task, problems: Sequence[dict], shots: int, shots_path, encode:
     ``shots_path``) plus ``gen_length`` fits the ``window``; else a one-line
     message naming the longest prompt and the setting that fits these problems:
     the most shots that fit with ``gen_length``, else zero shots and the longest
-    generation (a multiple of ``block_length``) that fits."""
-    def longest(k: int) -> tuple[int, str]:
-        examples = task.few_shot(k, shots_path) if k else []
-        return max((len(encode(task.format_prompt(p, examples))), p["id"]) for p in problems)
+    generation (a multiple of ``block_length``) that fits.
 
+    Prompts grow with the number of shots (a suite's k examples are the first k of its k + 1), so
+    the most shots that fit are found by bisection, first on one problem (a cheap upper bound),
+    then on all: a few encodings per problem whatever ``shots`` is."""
     if not problems:
         return None
-    n, pid = longest(shots)
-    if n + gen_length <= window:
-        return None
+    room = window - gen_length
+    examples: dict[int, list] = {}
+
+    def length(p: dict, k: int) -> int:
+        if k not in examples:
+            examples[k] = task.few_shot(k, shots_path) if k else []
+        return len(encode(task.format_prompt(p, examples[k])))
+
+    def longest(k: int) -> tuple[int, str]:
+        return max((length(p, k), p["id"]) for p in problems)
+
+    def most(lo: int, hi: int, fits) -> int:
+        """The largest k in [lo, hi] with fits(k) (fits(lo) holds, fits is monotone), by bisection."""
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    first = length(problems[0], shots)
     what = f"{shots}-shot prompts" if shots else "prompts"
+    if first <= room:
+        n, pid = longest(shots)
+        if n <= room:
+            return None
+        size = f"up to {n} tokens ({pid})"
+    else:
+        size = f"{first} tokens or more ({problems[0]['id']})"
     msg = (f"--task {task.NAME} does not fit the model's {window}-token window: the {what} of these "
-           f"{len(problems)} problems take up to {n} tokens ({pid}), plus --gen-length {gen_length}; ")
-    for k in range(shots - 1, -1, -1):
-        if longest(k)[0] + gen_length <= window:
-            return msg + f"use --few-shot {k}, which fits"
-    n0, pid0 = longest(0) if shots else (n, pid)
+           f"{len(problems)} problems take {size}, plus --gen-length {gen_length}; ")
+    n0, pid0 = longest(0)
+    if shots and n0 <= room:
+        bound = most(0, shots - 1, lambda k: length(problems[0], k) <= room)
+        return msg + f"use --few-shot {most(0, bound, lambda k: longest(k)[0] <= room)}, which fits"
     gen = (window - n0) // block_length * block_length
     if gen >= block_length:
         return msg + ("use --few-shot 0 " if shots else "use ") + f"--gen-length {gen}, which fits"

@@ -35,7 +35,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .common import DATA_DIR, read_jsonl
+from .common import DATA_DIR, ID, NUMBER, STR, check_fields, read_jsonl
 
 NAME = "gsm8k"
 DATA_FILE = DATA_DIR / "gsm8k" / "test.jsonl"
@@ -43,6 +43,7 @@ DEFAULT_SHOTS = 5
 SHOT_POOL = 5                      # lines 0-4 of the test file: shots, never evaluated
 STOP_SEQUENCES = ("Question:", "</s>", "<|im_end|>")     # lm-eval gsm8k's `until`
 METRICS = ("strict_match", "flexible_extract")
+FIELDS = {"id": ID, "prompt": STR, "answer": STR, "target": NUMBER}   # checked before decoding
 
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
@@ -50,6 +51,8 @@ _IGNORE = (re.compile(","), re.compile(r"\$"), re.compile(r"(?s).*#### "), re.co
 
 
 def _target(answer: str) -> str:
+    if not isinstance(answer, str):
+        raise TypeError("'answer' (a string)")
     if "####" not in answer:
         raise ValueError("GSM8K answer has no '####' line")
     return answer.split("####")[-1].strip().replace(",", "")
@@ -133,3 +136,9 @@ def score(completion: str, problem: dict) -> bool:
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict]) -> list[bool]:
     return [score(c, p) for c, p in zip(completions, problems, strict=True)]
+
+
+def check(problems: Sequence[dict], source: str) -> None:
+    """A one-line ValueError unless every problem has the fields ``FIELDS`` names (bench.eval
+    calls it on all rows before decoding anything)."""
+    check_fields(problems, FIELDS, source)

@@ -28,12 +28,14 @@ import importlib.util
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .common import assemble_program, check_code, read_jsonl, require_file, truncate_at
+from .common import ID, OBJECT, STR, assemble_program, check_code, check_fields, read_jsonl, require_file, truncate_at
 
 NAME = "humaneval"
 TIMEOUT_S = 5.0
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\n@", "\nif", "\nprint", "\n```")
 DATA_NAME = "HumanEval.jsonl.gz"
+RUNS_CODE = True           # score runs generated code in bench.sandbox
+FIELDS = {"id": ID, "prompt": STR, "answer": STR, "target": OBJECT, "target.test": STR, "target.entry_point": STR}
 
 
 def bundled_path() -> Path | None:
@@ -103,10 +105,16 @@ def build_program(completion: str, problem: dict) -> str:
                         [t["test"], "", f"check({t['entry_point']})"])
 
 
-def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S) -> bool:
-    return check_code([completion], [problem], build_program, timeout_s)[0]
+def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> bool:
+    return check_code([completion], [problem], build_program, timeout_s, isolation)[0]
 
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict],
-                timeout_s: float = TIMEOUT_S) -> list[bool]:
-    return check_code(completions, problems, build_program, timeout_s)
+                timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> list[bool]:
+    return check_code(completions, problems, build_program, timeout_s, isolation)
+
+
+def check(problems: Sequence[dict], source: str) -> None:
+    """A one-line ValueError unless every problem has the fields ``FIELDS`` names (bench.eval
+    calls it on all rows before decoding anything)."""
+    check_fields(problems, FIELDS, source)

@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .common import (DATA_DIR, Rng, extract_answer_number, normalize_prompt,
+from .common import (DATA_DIR, ID, NUMBER, STR, Rng, check_fields, extract_answer_number, normalize_prompt,
                      numbers_equal, qa_prompt, read_jsonl)
 
 NAME = "math"
@@ -41,6 +41,7 @@ ANSWER_SEP = " "  # between "Answer:" and the answer text
 # Where a decoder may cut a completion: reference answers are one line, so
 # everything after the first newline is junk (the checker ignores it anyway).
 STOP_SEQUENCES = ("\n",)
+FIELDS = {"id": ID, "prompt": STR, "target": NUMBER}   # what a problem needs (checked before decoding)
 
 # --------------------------------------------------------------------------
 # vocabulary
@@ -606,6 +607,12 @@ def score(completion: str, problem: dict) -> bool:
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict]) -> list[bool]:
     return [score(c, p) for c, p in zip(completions, problems, strict=True)]
+
+
+def check(problems: Sequence[dict], source: str) -> None:
+    """A one-line ValueError unless every problem has the fields ``FIELDS`` names (bench.eval
+    calls it on all rows before decoding anything)."""
+    check_fields(problems, FIELDS, source)
 
 
 _EQUATION = re.compile(r"(-?\d+) ([-+*/]) (-?\d+) = (-?\d+)")

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .common import (DATA_DIR, _FENCE, _compiles, assemble_program, check_code,
-                     extract_code, read_jsonl, require_file, truncate_at)
+                     extract_code, read_jsonl, require_file, truncate_at,
+                     ID, OBJECT, OPT_STR, STR, STR_LIST, check_fields, read_data)
 
 NAME = "mbpp"
 DATA_FILE = DATA_DIR / "mbpp" / "mbpp.jsonl"
@@ -57,6 +58,9 @@ TIMEOUT_S = 10.0
 SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600),
           "train": (601, 974)}
 STOP_SEQUENCES = ("[DONE]", "\n[BEGIN]", "\nYou are an expert")
+RUNS_CODE = True           # score runs generated code in bench.sandbox
+FIELDS = {"id": ID, "prompt": STR, "answer": STR, "target": OBJECT, "target.tests": STR_LIST,
+          "target.entry_point": OPT_STR, "target.setup": STR, "target.imports": STR_LIST}
 HEADER = ("You are an expert Python programmer, and here is your task: {text} "
           "Your code should pass these tests:\n\n{tests}\n[BEGIN]\n")
 SHOT_END = "\n[DONE]\n\n"
@@ -75,6 +79,8 @@ def _entry_point(code: str, tests: list[str]) -> str | None:
 
 
 def _problem(rec: dict) -> dict:
+    if not isinstance(rec["test_list"], list):
+        raise TypeError("'test_list' (a list of assert strings)")
     tests = list(rec["test_list"])
     text = rec["text"] if "text" in rec else rec["prompt"]       # full file / sanitized file
     return {
@@ -96,8 +102,13 @@ def _read(path) -> list[dict]:
     (``sanitized-mbpp.json``)."""
     p = require_file(path)
     if p.suffix == ".json":
-        with open(p, encoding="utf-8") as f:
-            return json.load(f)
+        try:
+            recs = json.loads(read_data(p).decode("utf-8"))
+        except (ValueError, RecursionError) as e:      # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ValueError(f"cannot read {p}: not valid JSON ({e})") from None
+        if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+            raise ValueError(f"{p}: expected a JSON list of objects (sanitized-mbpp.json's layout)")
+        return recs
     return read_jsonl(p)
 
 
@@ -152,10 +163,16 @@ def build_program(completion: str, problem: dict) -> str | None:
                         imports="\n".join(t.get("imports") or ()), setup=t.get("setup") or "")
 
 
-def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S) -> bool:
-    return check_code([completion], [problem], build_program, timeout_s)[0]
+def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> bool:
+    return check_code([completion], [problem], build_program, timeout_s, isolation)[0]
 
 
 def score_batch(completions: Sequence[str], problems: Sequence[dict],
-                timeout_s: float = TIMEOUT_S) -> list[bool]:
-    return check_code(completions, problems, build_program, timeout_s)
+                timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> list[bool]:
+    return check_code(completions, problems, build_program, timeout_s, isolation)
+
+
+def check(problems: Sequence[dict], source: str) -> None:
+    """A one-line ValueError unless every problem has the fields ``FIELDS`` names (bench.eval
+    calls it on all rows before decoding anything)."""
+    check_fields(problems, FIELDS, source)
