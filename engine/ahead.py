@@ -45,21 +45,25 @@ def first_output(decoder, batch, seqs, x, valid, pos, win):
     return pred, conf, ahead, cache, (~carried).long(), step
 
 
-def draft_across(run, act, masked, node_ranks, stop_ids, mask_id: int):
+def draft_across(run, act, masked, node_ranks, stop_ids, mask_id: int, draft_key):
     """Stage 2 over the block and the next one, for the active rows: drafts [A, K, W + L], node
     membership [A, K, W + L] and valid [A, K]. σ is the block's masked positions by confidence,
     then the next block's by the next-block confidences of the same output; a node holding a rank
     at or beyond the block's masked count m is valid only if it holds every rank below m (it
     completes the block), the completed block holds no stop token (the row would end there), and
     the row's latest output covers the next block (a row that entered its block without a call
-    has none until its first verification call)."""
+    has none until its first verification call). `draft_key(conf, masked, step, noise)`: the key each
+    part is ranked by (the decoder's: the policy's own draft order, or confidence)."""
     W, L = run.win.width, run.win.ahead
     lo, hi = run.win.lo, run.win.hi
     blk = run.x[act, lo:hi + L]
     masked = torch.cat((masked[act], blk[:, W:] == mask_id), -1)
     # one ordering key: the block's masked positions above every next-block one, each part by rank
-    here, _ = psd_kernels.position_ranks(run.conf[act].float(), masked[:, :W])
-    there, _ = psd_kernels.position_ranks(run.ahead_conf[act].float(), masked[:, W:])
+    noise = (None, None) if run.noise is None else (run.noise[act, :W], run.noise[act, W:])
+    here_key = draft_key(run.conf[act], masked[:, :W], run.step[act], noise[0])
+    there_key = draft_key(run.ahead_conf[act], masked[:, W:], torch.zeros_like(run.step[act]), noise[1])
+    here, _ = psd_kernels.position_ranks(here_key.float(), masked[:, :W])
+    there, _ = psd_kernels.position_ranks(there_key.float(), masked[:, W:])
     key = torch.cat((2 * (W + L) - here, (W + L) - there), -1).float()
     pred = torch.cat((run.pred[act], run.ahead_pred[act]), -1)
     drafts, valid = psd_kernels.assemble_drafts(blk, masked, pred, key, node_ranks)

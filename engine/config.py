@@ -43,6 +43,7 @@ class DecodeConfig:
     cost_profile: str | None
     cross_block: bool | None
     acceptance: str
+    draft_order: str
     k: int
 
     def __init__(self, method: str = "greedy", **options):

@@ -33,7 +33,7 @@ from .config import DecodeConfig, check_prompts
 from .errors import InputError
 from .graph import make_plan
 from .progress import apply_stopping, guard_progress, raise_failure
-from .policies import rank_of
+from .policies import policy_select, rank_of, sequence_noise
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
 from .state import Batch, BlockRun, new_batch
 
@@ -85,8 +85,11 @@ class Decoder:
 
     # ------------------------------------------------------------------ batch and blocks
     def _new_batch(self, prompts) -> Batch:
-        return new_batch(self.mc, prompts, self.dc.gen_length, self.dc.block_length, self.graph.depth,
-                         len(self.graph), self.model.device)
+        batch = new_batch(self.mc, prompts, self.dc.gen_length, self.dc.block_length, self.graph.depth,
+                          len(self.graph), self.model.device)
+        if self.policy.random:
+            batch.noise = sequence_noise(prompts, self.dc.seed, self.dc.gen_length).to(self.model.device)
+        return batch
 
     def _open_block(self, batch: Batch, index: int) -> BlockRun | None:
         """The rows that still generate and whose block is not complete (ETE may have filled it),
@@ -114,7 +117,8 @@ class Decoder:
             commit_step=batch.commit_step[seqs, span], commit_source=batch.commit_source[seqs, span],
             depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
             nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
-            carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool())
+            carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
+            noise=None if batch.noise is None else batch.noise[seqs, span])
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
@@ -150,7 +154,8 @@ class Decoder:
         blk = run.block()
         masked = blk == self.mc.mask_token_id
         was_pending, may_idle = run.pending.clone(), self.policy.may_idle(run.step)
-        commit = self.policy.select(run.conf, masked, run.step) & run.pending[:, None]
+        noise = None if run.noise is None else run.noise[:, :run.win.width]
+        commit = policy_select(self.policy, run.conf, masked, run.step, noise) & run.pending[:, None]
         if self.budget is not None:
             self.budget.observe_commit(commit, was_pending)
         W = run.win.width
@@ -164,17 +169,27 @@ class Decoder:
 
     def _draft(self, run: BlockRun, act: torch.Tensor, masked: torch.Tensor):
         """Stage 2 for the active rows: drafts [A, K, W] (psd_kernels.assemble_drafts: ranks by
-        confidence, index ops only), node membership [A, K, W] and valid [A, K] (every rank of the
-        node exists this step). With --cross-block, W + L wide (ahead.draft_across)."""
+        the policy's draft key, index ops only), node membership [A, K, W] and valid [A, K] (every
+        rank of the node exists this step). With --cross-block, W + L wide (ahead.draft_across)."""
         if run.win.ahead:
-            return draft_across(run, act, masked, run.plan.node_ranks, self.stop_ids, self.mc.mask_token_id)
+            return draft_across(run, act, masked, run.plan.node_ranks, self.stop_ids, self.mc.mask_token_id,
+                                self._draft_key)
         blk, masked = run.block(act), masked[act]
+        W = run.win.width
         if len(run.plan.graph) == 1:
             return blk[:, None], torch.zeros_like(blk, dtype=torch.bool)[:, None], torch.ones_like(masked[:, :1])
-        drafts, valid = psd_kernels.assemble_drafts(blk, masked, run.pred[act], run.conf[act].float(),
-                                                    run.plan.node_ranks)
+        noise = None if run.noise is None else run.noise[act, :W]
+        key = self._draft_key(run.conf[act], masked, run.step[act], noise)
+        drafts, valid = psd_kernels.assemble_drafts(blk, masked, run.pred[act], key.float(), run.plan.node_ranks)
         # a drafted position was masked (mask id) and now holds a prediction (never the mask id)
         return drafts, drafts != blk[:, None], valid
+
+    def _draft_key(self, conf, masked, step, noise=None) -> torch.Tensor:
+        """What σ ranks drafts by: the policy's own order (`Policy.draft_key`), or confidence
+        whatever the policy (`--draft-order confidence`)."""
+        if self.dc.draft_order == "confidence":
+            return conf
+        return self.policy.draft_key(conf, masked, step, **({"noise": noise} if self.policy.random else {}))
 
     def _canvases(self, run: BlockRun, act: torch.Tensor, drafts, valid):
         """The canvases of a verification call: (row, node) pairs [R'] (index into A·K), the
@@ -203,7 +218,8 @@ class Decoder:
         pred, conf = self._predict(logits)
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
-        best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W)
+        best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W,
+                                                    noise=None if run.noise is None else run.noise[act])
         if self.budget is not None:
             self.budget.observe(run.plan, accepted, valid)
         ar = torch.arange(A, device=dev)
@@ -241,7 +257,9 @@ class Decoder:
                 if act.numel() == 0:
                     break
                 if self.trace is not None:
-                    self.trace(run.seqs[act], index, run.step[act] - 1, rank_of(run.conf[act], masked[act]),
+                    noise = None if run.noise is None else run.noise[act, :run.win.width]
+                    key = self._draft_key(run.conf[act], masked[act], run.step[act], noise)
+                    self.trace(run.seqs[act], index, run.step[act] - 1, rank_of(key.float(), masked[act]),
                                run.pred[act])
                 self._verify(run, act, *self._draft(run, act, masked))
                 yield batch, run

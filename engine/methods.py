@@ -15,7 +15,7 @@ from .acceptance import BestScore, DraftConfidence, Hierarchical, Selection
 from .graph import DraftGraph
 from .options import OPTIONS, POLICY_NAMES
 from .options import register as register_option
-from .policies import Confidence, CrossBlock, Greedy, LocalLeap, Policy, TopK
+from .policies import Confidence, CrossBlock, Greedy, LeftToRight, LocalLeap, Policy, Random, TopK
 
 
 def _never(cfg) -> bool:
@@ -117,10 +117,14 @@ for _m in (
     Method("topk", "LLaDA's schedule: k_t tokens at step t", TopK, is_policy=True),
     Method("confidence", "Fast-dLLM: every position with c >= τ (at least one)", Confidence, is_policy=True),
     Method("localleap", "anchors c >= κ and positions with c >= τ within W of one", LocalLeap, is_policy=True),
+    Method("left", "semi-autoregressive: the left-most masked position and the confident run after it",
+           LeftToRight, is_policy=True),
+    Method("random", "LLaDA's random remasking: topk's schedule, positions drawn at random (seeded)", Random,
+           is_policy=True),
     Method("spiffy", "lossless drafts of greedy over a draft graph", Greedy, ("depth", "graph") + SPECULATION,
            graph=_option_graph, exact=lambda cfg: True, describe=_speculative),
     Method("psd", "parallel speculative decoding over any policy", None,
-           ("policy_name", "depth", "graph", "acceptance") + SPECULATION, graph=_option_graph,
+           ("policy_name", "depth", "graph", "acceptance", "draft_order") + SPECULATION, graph=_option_graph,
            exact=lambda cfg: cfg.acceptance == "exact", describe=_speculative),
     Method("lopa", "k branches, the best mean confidence kept", Confidence, ("k",),
            graph=lambda cfg: DraftGraph([[]] + [[j] for j in range(cfg.k - 1)]), selection=BestScore,

@@ -9,6 +9,7 @@ the lower position index.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,6 +43,28 @@ def rank_of(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     return torch.where(masked, ranks, after)
 
 
+def policy_select(policy: "Policy", conf, masked, step, noise=None) -> torch.Tensor:
+    """`policy.select`, with the block's noise for a random policy (a deterministic policy's
+    select keeps its three arguments, so a user's policy written for them still works)."""
+    if policy.random:
+        return policy.select(conf, masked, step, noise=noise)
+    return policy.select(conf, masked, step)
+
+
+def sequence_noise(prompts: list[list[int]], seed: int, length: int) -> torch.Tensor:
+    """A random policy's draw [B, length]: uniform numbers per generated position, from a generator
+    seeded by the seed and the prompt's token ids. A sequence's draw is its own, whatever else its
+    batch holds (a batch decodes as its rows one by one), and the same seed repeats it; its own
+    stream, so sampling (temperature) and the number of calls a method makes never shift it (PSD
+    over the random policy sees the plain policy's draw). Drawn on the host, once per batch."""
+    out = torch.empty(len(prompts), length)
+    for b, ids in enumerate(prompts):
+        digest = hashlib.sha256(f"{seed}:{','.join(map(str, ids))}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        out[b] = torch.rand(length, generator=gen)
+    return out
+
+
 def _top1_mask(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     best = masked_conf(conf, masked).argmax(-1, keepdim=True)       # first index on ties
     return torch.zeros_like(masked).scatter_(-1, best, True) & masked
@@ -71,6 +94,7 @@ class Policy:
     name: ClassVar[str] = "base"
     params: ClassVar[dict[str, str]] = {}
     declares: ClassVar[tuple] = ()
+    random: ClassVar[bool] = False   # True: select and draft_key take `noise`, the sequence's random draw
 
     @classmethod
     def from_config(cls, cfg) -> "Policy":
@@ -89,7 +113,16 @@ class Policy:
                 if f in fields and fields[f].default is not dataclasses.MISSING}
 
     def select(self, conf: torch.Tensor, masked: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """The commit mask [R, L]. A policy with `random = True` is called with a keyword `noise`
+        [R, L]: uniform draws in [0, 1), one per generated position of a sequence, made once from the
+        decoder's seeded generator (every call sees the same draw, so drafts can follow it)."""
         raise NotImplementedError
+
+    def draft_key(self, conf: torch.Tensor, masked: torch.Tensor, step: torch.Tensor, **noise) -> torch.Tensor:
+        """The order stage 2 drafts future steps in: a float key [R, L], higher first, ties to the
+        lower position (σ = `psd_kernels.position_ranks(key, masked)`). It should rank positions
+        the way this policy's own next steps would commit them; by default, confidence."""
+        return conf
 
     def may_idle(self, step: torch.Tensor) -> torch.Tensor:
         """Rows [R] whose step may commit nothing without that being a failure (none by default:
@@ -201,6 +234,57 @@ class LocalLeap(Policy):
 
     def describe(self):
         return f"localleap(kappa={self.kappa},tau={self.tau},W={self.window})"
+
+
+@dataclass(frozen=True)
+class LeftToRight(Policy):
+    """Semi-autoregressive: the left-most masked position, and the masked positions right after it
+    while their confidence is >= τ (a run of confident tokens, as an AR model that may take several
+    at once). Its own order is left to right, so it drafts left to right (`draft_key`)."""
+
+    tau: float = 0.9
+    name = "left"
+    params = {"threshold": "tau"}
+
+    def select(self, conf, masked, step):
+        L = masked.shape[-1]
+        idx = torch.arange(L, device=masked.device)
+        first = torch.where(masked, idx, L).min(-1, keepdim=True).values             # [R, 1]
+        # a position joins while every position from `first` to it is masked and confident
+        ok = (masked & (conf >= self.tau)) | (idx == first)
+        run = (ok | (idx < first)).long().cumprod(-1).bool()
+        return run & (idx >= first) & masked
+
+    def draft_key(self, conf, masked, step, **noise):
+        L = conf.shape[-1]
+        return -torch.arange(L, device=conf.device, dtype=torch.float32).expand(conf.shape[0], L)
+
+    def describe(self):
+        return f"left(tau={self.tau})"
+
+
+@dataclass(frozen=True)
+class Random(TopK):
+    """LLaDA's `remasking='random'`: its step schedule, the positions drawn uniformly at random.
+    Each sequence draws one uniform number per generated position when its batch starts (the
+    decoder's seeded generator) and every step commits the still-masked positions with the largest
+    draws: the same distribution as a fresh draw per step (the masked positions left are
+    exchangeable), and the order the next steps will take is known, so drafts follow it."""
+
+    name = "random"
+    random = True
+    declares = ()
+
+    def select(self, conf, masked, step, noise=None):
+        if noise is None:
+            raise InputError("the random policy needs the block's noise (Decoder passes it)")
+        return super().select(noise, masked, step)
+
+    def draft_key(self, conf, masked, step, noise=None):
+        return noise
+
+    def describe(self):
+        return "random" + super().describe()[4:]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class Batch:
     carry_conf: torch.Tensor       # [B, L]   completed this one (a kept draft), valid where carry_ok
     carry_ok: torch.Tensor         # [B] bool
     carry_step: torch.Tensor       # [B] the step inside the next block its kept draft reached
+    noise: torch.Tensor | None = None   # [B, G] a random policy's draw per generated position (Policy.random)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class BlockRun:
     carry: torch.Tensor | None = None        # [S] bool: that output is of the completed block
     ahead_step: torch.Tensor | None = None   # [S] the kept draft's step inside the next block (0: none)
     ahead_ok: torch.Tensor | None = None     # [S] bool: ahead_* hold the latest output's next block
+    noise: torch.Tensor | None = None        # [S, W + ahead] a random policy's draw (Batch.noise)
 
     @property
     def gen_start(self) -> int:

@@ -23,6 +23,7 @@ import torch
 from engine import DecodeConfig, DraftGraph, generate
 from engine.loop import Decoder
 from engine.methods import METHODS
+from engine.policies import policy_select
 from hostsync import STEP_BOUND, Profile, SyncCounter, check
 from models import ModelConfig, init_random
 
@@ -148,7 +149,7 @@ class PolicyContract:
             masked = torch.rand(7, L, generator=g) < 0.6
             masked[3] = False                                  # a row with nothing left commits nothing
             step = torch.randint(0, L, (7,), generator=g)
-            sel = policy.select(conf, masked, step)
+            sel = policy_select(policy, conf, masked, step, torch.rand(7, L, generator=g))
             assert sel.dtype == torch.bool and sel.shape == masked.shape
             assert not (sel & ~masked).any()
             idle = policy.may_idle(step)
