@@ -17,7 +17,7 @@ from psd_kernels.reference import SCORES
 
 from .cache import CACHE_MODES
 from .errors import InputError
-from .graph import DraftGraph
+from .graph import MAX_NODES, DraftGraph
 
 CONF_DTYPES = ("float32", "float64")
 ACCEPTANCE = ("policy", "exact")
@@ -29,16 +29,40 @@ def join(names) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
+# Gumbel-max sampling divides the logits by the temperature. Above MAX_TEMPERATURE the logits of any
+# model vanish against the noise (the sample is uniform over the vocabulary, as it is at every larger
+# value); below MIN_TEMPERATURE (but > 0) logits / T overflows float32 to inf and 0 / T to NaN.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e4
+
+
 def _at_least(lo: int):
-    return lambda label, v: None if v >= lo else f"{label} must be >= {lo}, got {v}"
+    return lambda label, v: None if v >= lo else f"{label} must be >= {lo}, got {_short(v)}"
+
+
+def _between(lo: int, hi: int, why: str):
+    """At least `lo` and at most `hi`, `why` saying where the upper bound comes from."""
+    return lambda label, v: _at_least(lo)(label, v) or (
+        None if v <= hi else f"{label} must be <= {hi} ({why}), got {_short(v)}")
+
+
+def _short(v) -> str:
+    """A value for a message: a huge integer is not printed in full."""
+    text = str(v)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
 
 
 def _unit(label, v):
-    return None if 0.0 < v <= 1.0 else f"{label} {v} is outside (0, 1]"
+    return None if 0.0 < v <= 1.0 else f"{label} {_short(v)} is outside (0, 1]"
 
 
-def _finite_nonneg(label, v):
-    return None if math.isfinite(v) and v >= 0 else f"{label} must be finite and >= 0, got {v}"
+def _temperature(label, v):
+    try:
+        ok = math.isfinite(v) and (v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE)
+    except OverflowError:          # an integer beyond any float
+        ok = False
+    return None if ok else (f"{label} must be finite and >= 0, got {_short(v)}" if not v >= 0 else
+                            f"{label} must be 0 (argmax) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                            f"got {_short(v)}")
 
 
 @dataclass(frozen=True)
@@ -126,10 +150,11 @@ for _o in (
     Option("block_length", int, "block size L", 32, "block length", check=_at_least(1), general=True),
     Option("cache", str, "KV cache mode", "none", "cache mode", choices=_cache_modes, general=True),
     Option("score", str, "confidence score", "prob", "confidence score", choices=SCORES, general=True),
-    Option("temperature", float, "Gumbel-max sampling temperature (0: argmax)", 0.0, check=_finite_nonneg,
+    Option("temperature", float, f"Gumbel-max sampling temperature (0: argmax; else in [{MIN_TEMPERATURE:g}, "
+           f"{MAX_TEMPERATURE:g}])", 0.0, check=_temperature,
            general=True),
     Option("seed", int, "seed of the sampling noise", 0, check=lambda l, v: None if 0 <= v < 2 ** 64 else
-           f"{l} must be in [0, 2**64), got {v}", general=True),
+           f"{l} must be in [0, 2**64), got {_short(v)}", general=True),
     Option("conf_dtype", str, "dtype of the confidence computation (float64 for parity with references)",
            "float32", "confidence dtype", choices=CONF_DTYPES, general=True),
     Option("static_rows", bool, "pad every verification call of a block to the block's rows times the graph's "
@@ -145,7 +170,8 @@ for _o in (
     Option("window", int, "anchor window W", check=_at_least(0), aliases=("w",)),
     Option("policy_name", str, "the spatial policy under the speculation", "confidence", "policy",
            choices=_policy_names, aliases=("policy",), cli="--policy"),
-    Option("depth", int, "depth of the default chain draft graph", 3, "draft depth", check=_at_least(0),
+    Option("depth", int, "depth of the default chain draft graph", 3, "draft depth",
+           check=_between(0, MAX_NODES - 1, f"a chain of depth d has d + 1 nodes, a draft graph at most {MAX_NODES}"),
            aliases=("d",)),
     Option("graph", DraftGraph, "draft graph JSON file (a list of rank lists)", label="a draft graph"),
     Option("draft_budget", str, "all: verify every graph node; auto: per block, the nodes whose expected tokens "
@@ -159,11 +185,9 @@ for _o in (
            label="--cross-block"),
     Option("acceptance", str, "the policy's own criterion, or exact (lossless)", "policy", "acceptance mode",
            choices=ACCEPTANCE),
-    Option("draft_order", str, "policy: drafts rank future steps in the policy's own order (Policy.draft_key: "
-           "left to right for left, its seeded draw for random, confidence otherwise); confidence: by "
-           "confidence whatever the policy (the order before policies chose theirs)", "policy", "draft order",
-           choices=("policy", "confidence")),
-    Option("k", int, "lopa: branches; ete: blocks per window; fdm: future steps", 3, check=_at_least(1)),
+    Option("k", int, "lopa: branches; ete: blocks per window; fdm: future steps", 3,
+           check=_between(1, MAX_NODES - 1, f"lopa and fdm build a draft graph of k or k + 1 nodes, at most "
+                                            f"{MAX_NODES}")),
 ):
     register(_o)
 

@@ -3,6 +3,9 @@ gives the server's default), then uvicorn on the main thread and the decoding wo
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
+import socket
 import sys
 import threading
 
@@ -11,6 +14,11 @@ from ..errors import InputError
 from ..methods import METHODS
 from .routes import build_app
 from .server import Server
+
+MAX_BODY_BYTES = 4 << 20     # --max-body-bytes: a prompt at any model's length is far less; more is an attack
+BIND_ERRORS = {errno.EADDRINUSE: "the port is already in use",
+               errno.EACCES: "permission denied (a port below 1024 needs privileges)",
+               errno.EADDRNOTAVAIL: "the address is not one of this machine's"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "without one, or to replace its own")
     p.add_argument("--max-batch", type=int, default=32, help="most requests decoded together (1: one at a time)")
     p.add_argument("--max-queue", type=int, default=256, help="most requests waiting; more are answered 429")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help=f"largest request body; a larger one is answered 413 without being read (default: "
+                        f"{MAX_BODY_BYTES} = {MAX_BODY_BYTES >> 20} MiB)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0,
                    help="when idle, wait this long after a request for others to decode with it")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -47,9 +58,50 @@ def main(argv=None) -> int:
     return guarded(_main, args)
 
 
+def where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (before the model is read): a bad --port or --host is one
+    error line, never an abort from uvicorn. Like uvicorn: IPv6 when the host holds a colon."""
+    if not 1 <= port <= 65535:
+        raise InputError(f"--port {port} is not a TCP port (1 to 65535)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        info = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except (OSError, UnicodeError, ValueError) as e:     # gaierror is an OSError; a bad IDNA label a UnicodeError
+        raise InputError(f"--host {host!r} cannot be resolved: {getattr(e, 'strerror', None) or e}") from None
+    fam, kind, proto, _, address = info[0]
+    sock = socket.socket(fam, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {where(host, port)}: {BIND_ERRORS.get(e.errno, e.strerror or e)}") from None
+    return sock
+
+
+class _StartupErrors(logging.Filter):
+    """uvicorn's own error lines while it starts are kept for our one `error:` line."""
+
+    def __init__(self, http):
+        super().__init__()
+        self.http, self.messages = http, []
+
+    def filter(self, record) -> bool:
+        if self.http.started or record.levelno < logging.ERROR:
+            return True
+        self.messages.append(record.getMessage())
+        return False
+
+
 def _main(args) -> int:
     if args.max_batch < 1 or args.max_queue < 1:
         raise InputError("--max-batch and --max-queue must be >= 1")
+    if args.max_body_bytes < 1:
+        raise InputError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not 0 <= args.batch_wait_ms <= 10_000:
         raise InputError("--batch-wait-ms must be in [0, 10000]")
     if args.threads is not None and args.threads < 1:
@@ -59,16 +111,33 @@ def _main(args) -> int:
         import uvicorn
     except ImportError:
         raise InputError("the server needs fastapi and uvicorn: pip install -e '.[serve]'") from None
-    server = Server(args)
+    sock = listen(args.host, args.port)
+    try:
+        server = Server(args)
+    except BaseException:
+        sock.close()
+        raise
     http = uvicorn.Server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
                                          access_log=args.access_log, timeout_graceful_shutdown=3))
+    startup = _StartupErrors(http)
+    logging.getLogger("uvicorn.error").addFilter(startup)
     worker = threading.Thread(target=server.load_and_serve, args=(http,), name="psd-decoder", daemon=True)
     worker.start()
-    print(f"serving {server.name} ({server.model_dir}) on http://{args.host}:{args.port} "
+    print(f"serving {server.name} ({server.model_dir}) on http://{where(args.host, args.port)} "
           f"(loading; GET /health answers 200 when ready)", file=sys.stderr, flush=True)
-    http.run()
-    server.scheduler.close()
-    worker.join(timeout=10)
+    failure = None
+    try:
+        http.run(sockets=[sock])
+    except (OSError, SystemExit) as e:                # uvicorn could not serve on the socket
+        if http.started:
+            raise
+        failure = e
+    finally:
+        server.scheduler.close()
+        worker.join(timeout=10)
+        sock.close()
     if not http.started and server.exit_code == 0:
-        return 1                                      # uvicorn could not bind (it logged why)
+        why = (failure.strerror if isinstance(failure, OSError) else None) or \
+            next((m.strip().splitlines()[-1] for m in startup.messages if m.strip()), "uvicorn did not start")
+        raise InputError(f"cannot serve on {where(args.host, args.port)}: {why}")
     return server.exit_code

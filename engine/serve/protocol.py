@@ -4,6 +4,7 @@ server's defaults."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from ..config import DecodeConfig
@@ -14,6 +15,10 @@ from ..options import OPTIONS, resolve, spellings
 
 NESTED = "decoding"            # the nested object that may hold the decoding options of a request
 MAX_STOP = 4                   # OpenAI's limit on stop sequences
+MAX_MESSAGE = 600              # characters of an error message: a refused megabyte value is not echoed back
+# integer options that are values, not counts of positions, steps or nodes: every other integer
+# option a request sets is bounded by the model's maximum length (engine/serve/server.py)
+NOT_SIZES = ("seed",)
 # options a request may not set: a compile takes the worker for a minute; a profile is a server file
 SERVER_ONLY = ("compile", "cost_profile")
 
@@ -22,15 +27,21 @@ def one_line(text) -> str:
     return " ".join(str(text).split())
 
 
+def short(text: str, limit: int = MAX_MESSAGE) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "service_unavailable"}
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.code, self.param = status, one_line(message), code, param
+        self.status, self.message, self.code, self.param = status, short(one_line(message)), code, param
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
@@ -73,6 +84,71 @@ NEUTRAL = {            # field -> (is the value neutral?, what the message says)
 }
 
 
+# ------------------------------------------------------------------------------------------ the body
+def too_large(limit: int, what: str) -> ApiError:
+    # the connection is closed after the answer: the rest of the body is not read
+    return ApiError(413, f"the request body {what} exceeds the server's limit of {limit} bytes (--max-body-bytes)",
+                    "body_too_large", headers={"Connection": "close"})
+
+
+def check_length_header(value: str | None, limit: int) -> None:
+    """A Content-Length over the limit is refused before a byte of the body is read."""
+    if value is None:
+        return
+    if not value.strip().isdigit() or not value.isascii():
+        raise bad(f"the Content-Length header {value[:40]!r} is not a byte count", None, "invalid_header")
+    if int(value) > limit:
+        raise too_large(limit, f"of {int(value)} bytes")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body. NaN and Infinity (not JSON), numbers beyond a double and
+    strings holding a lone UTF-16 surrogate (which no tokenizer can encode) are refused here,
+    naming where they are."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:     # (UnicodeDecodeError is a ValueError)
+        raise bad(f"the body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object", None, "invalid_json")
+    stack = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            for key, v in value.items():
+                _check_string(key, f"a key in {where or 'the body'}", where or None)
+                stack.append((v, f"{where}.{key}" if where else key))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _check_string(value, where, where)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise bad(f"{_name(where)}: the number is out of range (beyond a double)", _param(where))
+    return body
+
+
+def _name(where: str) -> str:
+    return ascii(where)[1:-1]               # a key with a lone surrogate is named escaped
+
+
+def _param(where: str | None) -> str | None:
+    return None if not where else _name(where).split(".")[0].split("[")[0]
+
+
+def _check_string(s: str, where: str, param: str | None) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{_name(where)} holds a lone UTF-16 surrogate ({ascii(s[e.start])[1:-1]} at character {e.start}); "
+                  f"strings must be valid Unicode", _param(param), "invalid_string") from None
+
+
 @dataclass
 class Spec:
     """A checked request: what to decode and how to cut and report the answer."""
@@ -86,14 +162,15 @@ class Spec:
     chat: bool
 
 
-def int_field(body, name, lo=1):
+def int_field(body, name, lo=1, hi=None, why=""):
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad(f"{name} must be an integer, got {json.dumps(v)[:60]}", name)
-    if v < lo:
-        raise bad(f"{name} must be >= {lo}, got {v}", name)
+    if v < lo or (hi is not None and v > hi):
+        raise bad(f"{name} must be >= {lo}, got {short(str(v), 30)}" if v < lo else
+                  f"{name} must be <= {hi}{why}, got {short(str(v), 30)}", name)
     return v
 
 
@@ -111,18 +188,29 @@ def stop_field(body) -> list[str]:
     return stops
 
 
-def _engine_value(name: str, value):
-    """A request's JSON value for an option: a draft graph arrives as a list of rank lists."""
+def _engine_value(name: str, value, max_length: int | None):
+    """A request's JSON value for an option: a draft graph arrives as a list of rank lists, each
+    rank a position within the model's length (checked before the graph is built)."""
     if OPTIONS[name].kind is DraftGraph:
         if not isinstance(value, list):
             raise bad("graph must be a list of rank lists in a request (the server reads no files)", "graph")
-        return DraftGraph(value)
+        if max_length is not None:
+            for node in value:
+                if isinstance(node, list) and (len(node) > max_length or any(
+                        isinstance(r, int) and not isinstance(r, bool) and r >= max_length for r in node)):
+                    raise bad(f"graph: the node {short(json.dumps(node), 60)} names a rank beyond the model's "
+                              f"maximum length {max_length}", "graph")
+        try:
+            return DraftGraph(value)
+        except InputError as e:
+            raise bad(str(e), "graph") from None
     return value
 
 
-def request_options(body: dict, fields: set) -> dict:
+def request_options(body: dict, fields: set, max_length: int | None = None) -> dict:
     """The decoding options of a request (method included), from its top level and/or its nested
-    `decoding` object, by option name or alias; unknown fields are errors."""
+    `decoding` object, by option name or alias; unknown fields are errors. With `max_length`, a
+    draft graph's ranks are checked against it before the graph is built."""
     opts, where = {}, {}
 
     def take(key, value, place):
@@ -141,7 +229,7 @@ def request_options(body: dict, fields: set) -> dict:
             raise bad(f"{OPTIONS[name].what} is set when the server starts, not per request", key)
         if name in opts:
             raise bad(f"the decoding option {name} is given twice ({where[name]!r} and {key!r})", key)
-        opts[name], where[name] = (value if name == "method" else _engine_value(name, value)), key
+        opts[name], where[name] = (value if name == "method" else _engine_value(name, value, max_length)), key
 
     for key, value in body.items():
         if value is not None and (key not in fields or key in ("method", "temperature", "seed")):
@@ -157,16 +245,22 @@ def request_options(body: dict, fields: set) -> dict:
 
 
 def merge_options(server: dict, request: dict) -> dict:
-    """The server's defaults overridden by a request's options. Server options that the request's
+    """The server's defaults overridden by a request's options, each checked by the option table (a
+    bad one is a 400 naming it). Server options that the request's
     method does not take are dropped (a server started with --method confidence --threshold 0.9
     still answers a request for method greedy), as is the server's depth/graph when the request
     gives the other."""
     method = request.get("method", server["method"])
     if not isinstance(method, str) or method not in METHODS:
-        raise InputError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+        raise bad(f"unknown method {short(repr(method), 60)}; expected one of {', '.join(METHODS)}", "method")
     for name, value in request.items():
         if name != "method":
-            OPTIONS[name].validate(value)
+            try:                         # the table's own check: type, choices, range (engine/options.py)
+                OPTIONS[name].validate(value)
+            except InputError as e:
+                raise bad(str(e), name) from None
+            except (OverflowError, ValueError, TypeError):     # a plugin's check meeting an absurd value
+                raise bad(f"{OPTIONS[name].what}: the value {short(repr(value), 40)} is out of range", name) from None
     merged = {**server, **request, "method": method}
     for a, b in (("depth", "graph"), ("graph", "depth")):
         if a in request and b not in request:
@@ -177,3 +271,16 @@ def merge_options(server: dict, request: dict) -> dict:
         if name != "method" and name not in request and not OPTIONS[name].general and name not in takes:
             del merged[name]
     return merged
+
+
+def size_problem(options: dict, max_length: int) -> tuple[str, str] | None:
+    """Integer decoding options count positions, steps or nodes of one sequence (gen length, block
+    length, steps, window, ...; seed is a value): none may exceed the model's maximum length.
+    (option, message) for the first that does; checked before any of them sizes anything."""
+    for name, value in options.items():
+        if name in NOT_SIZES or name not in OPTIONS or OPTIONS[name].kind is not int:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value > max_length:
+            return name, (f"{OPTIONS[name].what} must be <= the model's maximum length {max_length}, "
+                          f"got {short(str(value), 30)}")
+    return None

@@ -10,7 +10,7 @@ import traceback
 import uuid
 
 from .answer import Answer
-from .protocol import ApiError, bad
+from .protocol import ApiError, check_length_header, parse_body, too_large
 from .worker import Job, QueueFull
 
 
@@ -55,7 +55,24 @@ def build_app(server):
 def error(e: ApiError):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes: a larger Content-Length is refused unread, and a body
+    without one (chunked) is refused as soon as what arrived passes the limit."""
+    from starlette.requests import ClientDisconnect
+
+    check_length_header(request.headers.get("content-length"), limit)
+    body = bytearray()
+    try:
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise too_large(limit, "")
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected", "client_disconnected") from None
+    return bytes(body)
 
 
 def health_body(server) -> dict:
@@ -69,15 +86,13 @@ def health_body(server) -> dict:
 
 async def submit(server, request, chat: bool) -> Job:
     """The request checked, parsed and queued; every refusal is an ApiError."""
+    if server.status == "loading":
+        raise ApiError(503, "the model is still loading; retry when GET /health answers 200", "loading")
     if server.status != "ok":
-        raise ApiError(503, "the model is still loading; retry when GET /health answers 200" if
-                       server.status == "loading" else f"the model failed to load: {server.error}", server.status)
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, RecursionError) as e:
-        raise bad(f"the body is not valid JSON: {e}", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad("the body must be a JSON object", None, "invalid_json")
+        loaded = getattr(server, "model", None) is not None        # else the worker stopped after loading it
+        raise ApiError(503, f"the server failed: {server.error}" if loaded else
+                       f"the model failed to load: {server.error}", server.status)
+    body = parse_body(await read_body(request, server.args.max_body_bytes))
     job = Job(server.parse(body, chat), asyncio.get_running_loop())
     try:
         server.scheduler.submit(job)

@@ -3,7 +3,6 @@ loaded in the worker thread, and a request checked into a `Spec` (prompt ids, De
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -14,9 +13,16 @@ from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device
 from ..config import DecodeConfig, check_prompts
 from ..errors import InputError
 from ..options import OPTIONS
-from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, NEUTRAL, ApiError, Spec, bad, int_field, merge_options,
-                       one_line, request_options, stop_field)
+from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, NEUTRAL, ApiError, Spec, bad, int_field,
+                       merge_options, one_line, request_options, size_problem, stop_field)
 from .worker import Scheduler
+
+# A long prompt is first measured piece by piece, this many characters at a time: the tokenizer
+# takes about 200 bytes a character, so a prompt of a few MiB would take gigabytes to encode whole.
+MEASURE_CHARS = 1 << 16
+# A prompt whose pieces count more than this many times the model's length is refused unencoded
+# (the seams between pieces change a count by a token or two, never by a factor).
+MEASURE_SLACK = 2
 
 
 class Server:
@@ -34,6 +40,9 @@ class Server:
             self._set_chat_template(args.chat_template)
         self.name = args.served_model_name or self.model_dir.resolve().name
         opts = decoding_options(args)
+        problem = size_problem(opts, self.mc.max_length)
+        if problem:
+            raise InputError(f"{OPTIONS[problem[0]].flag}: {problem[1]}")
         for name, value in self.mc.generation_defaults.items():   # the checkpoint's suggestion
             opts.setdefault(name, value)
         self.defaults = {"method": args.method, **opts}
@@ -84,7 +93,14 @@ class Server:
             http.should_exit = True
             return
         self.status = "ok"
-        self.scheduler.run(model)
+        try:
+            self.scheduler.run(model)         # one batch's failure is its requests' error; this is the worker's
+        except BaseException as e:            # noqa: BLE001 -- no request may wait on a dead worker
+            self.status, self.error = "failed", f"the decoding worker stopped: {one_line(e)}"
+            print(f"error: {self.error}", file=sys.stderr, flush=True)
+            self.scheduler.close()
+            self.exit_code = 1
+            http.should_exit = True
 
     # ------------------------------------------------------------------ parsing a request
     def parse(self, body: dict, chat: bool) -> Spec:
@@ -105,18 +121,24 @@ class Server:
         if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}
                                or not isinstance(so.get("include_usage", False), bool)):
             raise bad('stream_options must be {"include_usage": true|false}', "stream_options")
-        max_tokens = int_field(body, "max_tokens")
+        limit = self.mc.max_length
+        room = (limit - 1, f" (the model's maximum length {limit} less one prompt token)")
+        max_tokens = int_field(body, "max_tokens", 1, *room)
         if chat:
-            mct = int_field(body, "max_completion_tokens")
+            mct = int_field(body, "max_completion_tokens", 1, *room)
             if mct is not None and max_tokens is not None and mct != max_tokens:
                 raise bad("max_tokens and max_completion_tokens differ", "max_completion_tokens")
             max_tokens = mct if mct is not None else max_tokens
         stop = stop_field(body)
-        try:
-            opts = request_options(body, fields)
+        try:             # every option is checked (by the option table, and against the model's length)
+            opts = request_options(body, fields, limit)   # before the prompt is encoded or anything is sized
+            merged = merge_options(self.defaults, opts)
+            problem = size_problem(opts, limit)
+            if problem:
+                raise bad(problem[1], problem[0])
             text = self._chat_prompt(body.get("messages")) if chat else None
             ids = self._chat_ids(text) if chat else self._prompt_ids(body.get("prompt"))
-            config, max_tokens = self._config(opts, max_tokens, len(ids))
+            config, max_tokens = self._config(opts, merged, max_tokens, len(ids))
             check_prompts(self.mc, config, [ids])
         except InputError as e:
             raise bad(str(e).replace("prompt 0 ", "the prompt ", 1)) from None
@@ -128,7 +150,7 @@ class Server:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InputError("the prompt is empty")
-            return self.tok.encode(prompt)
+            return self._encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, list) for t in prompt):
             raise InputError("one prompt per request (send several requests: concurrent requests are batched)")
         if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
@@ -136,6 +158,7 @@ class Server:
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise InputError("the prompt is empty")
+            self._room(len(prompt))
             return prompt
         if prompt is None:
             raise InputError("prompt is required")
@@ -168,17 +191,40 @@ class Server:
         return render_chat(self.tok, out)
 
     def _chat_ids(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+        return self._encode(text)
 
-    def _config(self, opts: dict, max_tokens: int | None, prompt_len: int) -> tuple[DecodeConfig, int]:
-        """The request's DecodeConfig: gen length = max_tokens rounded up to the block length."""
-        merged = merge_options(self.defaults, opts)
-        block = merged.get("block_length", OPTIONS["block_length"].default)
-        OPTIONS["block_length"].validate(block)
+    def _encode(self, text: str) -> list[int]:
+        """The prompt's token ids; a prompt that cannot fit in the model's length is refused before
+        it is encoded whole (a long one is measured piece by piece, each piece cut at a space)."""
+        limit = self.mc.max_length
+        if len(text) > MEASURE_CHARS:
+            count, lo = 0, 0
+            while lo < len(text):
+                hi = lo + MEASURE_CHARS
+                if hi < len(text):
+                    cut = max(text.rfind(" ", lo, hi), text.rfind("\n", lo, hi))
+                    hi = cut if cut > lo else hi
+                count += len(self.tok.encode(text[lo:hi]))
+                if count > MEASURE_SLACK * limit:
+                    raise InputError(f"the prompt of {len(text)} characters is longer than the model's maximum "
+                                     f"length of {limit} tokens (its first {hi} characters are {count} tokens)")
+                lo = hi
+        ids = self.tok.encode(text)
+        self._room(len(ids))
+        return ids
+
+    def _room(self, prompt_len: int) -> int:
         room = self.mc.max_length - prompt_len
         if room < 1:
             raise InputError(f"the prompt of {prompt_len} tokens leaves no room for an answer within the "
                              f"model's maximum length {self.mc.max_length}")
+        return room
+
+    def _config(self, opts: dict, merged: dict, max_tokens: int | None, prompt_len: int) -> tuple[DecodeConfig, int]:
+        """The request's DecodeConfig: gen length = max_tokens rounded up to the block length."""
+        block = merged.get("block_length", OPTIONS["block_length"].default)
+        OPTIONS["block_length"].validate(block)
+        room = self._room(prompt_len)
         if "gen_length" in opts:
             OPTIONS["gen_length"].validate(opts["gen_length"])
             if max_tokens is None:
@@ -188,9 +234,9 @@ class Server:
         else:
             if max_tokens is None:         # the server's gen length, or what fits in the model's length
                 max_tokens = merged.get("gen_length", OPTIONS["gen_length"].default)
-                if math.ceil(max_tokens / block) * block > room and room >= block:
+                if -(-max_tokens // block) * block > room and room >= block:
                     max_tokens = room // block * block
-            merged["gen_length"] = math.ceil(max_tokens / block) * block
+            merged["gen_length"] = -(-max_tokens // block) * block
         gen = merged.get("gen_length")
         if prompt_len + gen > self.mc.max_length:
             raise InputError(f"the prompt of {prompt_len} tokens plus max_tokens {max_tokens} (decoded as {gen} "

@@ -126,6 +126,10 @@ class Scheduler:
                 traceback.print_exc()
                 for j in batch:
                     j.push("error", ApiError(500, f"decoding failed: {type(e).__name__}: {e}", "decoding_failed"))
+            except BaseException as e:    # the worker stops (the server reports it): its clients are told
+                for j in batch:
+                    j.push("error", ApiError(500, f"decoding stopped: {type(e).__name__}: {e}", "decoding_failed"))
+                raise
             finally:
                 st["requests"] += len(batch)
                 self.running = 0
