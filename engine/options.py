@@ -185,6 +185,10 @@ for _o in (
            label="--cross-block"),
     Option("acceptance", str, "the policy's own criterion, or exact (lossless)", "policy", "acceptance mode",
            choices=ACCEPTANCE),
+    Option("draft_order", str, "policy: drafts rank future steps in the policy's own order (Policy.draft_key: "
+           "left to right for left, its seeded draw for random, confidence otherwise); confidence: by "
+           "confidence whatever the policy (the order before policies chose theirs)", "policy", "draft order",
+           choices=("policy", "confidence")),
     Option("k", int, "lopa: branches; ete: blocks per window; fdm: future steps", 3,
            check=_between(1, MAX_NODES - 1, f"lopa and fdm build a draft graph of k or k + 1 nodes, at most "
                                             f"{MAX_NODES}")),
