@@ -228,6 +228,10 @@ def test_request_body_size_is_limited_while_it_is_read(server):
 
 
 # ------------------------------------------------------------------------------ 3. hostile JSON
+def field_ok(err: dict, field: str | None) -> bool:
+    return field is None or err["param"] == field
+
+
 def test_hostile_json_is_a_400_and_never_wedges_the_worker(server):
     """Python's json module accepts NaN, Infinity, 1e999 (inf), 10**400 and lone surrogates; the
     engine cannot use any of them (math.isfinite(10**400) raises, a tokenizer cannot encode
@@ -272,10 +276,6 @@ def test_hostile_json_is_a_400_and_never_wedges_the_worker(server):
             else:
                 _refusal(r)
     _still_serves(server, before)
-
-
-def field_ok(err: dict, field: str | None) -> bool:
-    return field is None or err["param"] == field
 
 
 # ------------------------------------------------------------------------------ 4. --port, --host

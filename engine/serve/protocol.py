@@ -105,6 +105,9 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
+PLAIN = {int, bool, type(None)}      # JSON values that need no check past the parser
+
+
 def parse_body(raw: bytes) -> dict:
     """The JSON object of a request body. NaN and Infinity (not JSON), numbers beyond a double and
     strings holding a lone UTF-16 surrogate (which no tokenizer can encode) are refused here,
@@ -115,38 +118,63 @@ def parse_body(raw: bytes) -> dict:
         raise bad(f"the body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object", None, "invalid_json")
-    stack = [(body, "")]
+    # every container once, its place as a linked (parent place, key) pair: a body of a million
+    # values costs no string per value; a place is spelt out only for the message
+    stack = [(body, None)]
     while stack:
-        value, where = stack.pop()
-        if isinstance(value, dict):
-            for key, v in value.items():
-                _check_string(key, f"a key in {where or 'the body'}", where or None)
-                stack.append((v, f"{where}.{key}" if where else key))
-        elif isinstance(value, list):
-            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
-        elif isinstance(value, str):
-            _check_string(value, where, where)
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise bad(f"{_name(where)}: the number is out of range (beyond a double)", _param(where))
+        container, place = stack.pop()
+        if isinstance(container, list) and set(map(type, container)) <= PLAIN:
+            continue                             # token ids: nothing to check, and checked fast
+        for key, v in (container.items() if isinstance(container, dict) else enumerate(container)):
+            if isinstance(key, str) and not _unicode(key):
+                raise _surrogate(key, f"a key in {_spell(place) or 'the body'}", place)
+            if isinstance(v, (dict, list)):
+                if v:
+                    stack.append((v, (place, key)))
+            elif isinstance(v, str):
+                if not _unicode(v):
+                    raise _surrogate(v, _spell((place, key)), (place, key))
+            elif isinstance(v, float) and not math.isfinite(v):
+                raise bad(f"{_spell((place, key))}: the number is out of range (beyond a double)", _field((place, key)))
     return body
 
 
-def _name(where: str) -> str:
-    return ascii(where)[1:-1]               # a key with a lone surrogate is named escaped
-
-
-def _param(where: str | None) -> str | None:
-    return None if not where else _name(where).split(".")[0].split("[")[0]
-
-
-def _check_string(s: str, where: str, param: str | None) -> None:
+def _unicode(s: str) -> bool:
     if s.isascii():
-        return
+        return True
     try:
         s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad(f"{_name(where)} holds a lone UTF-16 surrogate ({ascii(s[e.start])[1:-1]} at character {e.start}); "
-                  f"strings must be valid Unicode", _param(param), "invalid_string") from None
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _keys(place) -> list:
+    keys = []
+    while place is not None:
+        place, key = place
+        keys.append(key)
+    return keys[::-1]
+
+
+def _spell(place) -> str:
+    """`messages[0].content`; a key with a lone surrogate escaped."""
+    out = ""
+    for key in _keys(place):
+        out += f"[{key}]" if isinstance(key, int) else f".{ascii(key)[1:-1]}" if out else ascii(key)[1:-1]
+    return out
+
+
+def _field(place) -> str | None:
+    """The request's top-level field at `place`."""
+    keys = _keys(place)
+    return ascii(keys[0])[1:-1] if keys else None
+
+
+def _surrogate(s: str, where: str, place) -> ApiError:
+    at = next(i for i, c in enumerate(s) if "\ud800" <= c <= "\udfff")
+    return bad(f"{where} holds a lone UTF-16 surrogate ({ascii(s[at])[1:-1]} at character {at}); strings must "
+               f"be valid Unicode", _field(place), "invalid_string")
 
 
 @dataclass
