@@ -57,12 +57,14 @@ def _unit(label, v):
 
 def _temperature(label, v):
     try:
-        ok = math.isfinite(v) and (v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE)
-    except OverflowError:          # an integer beyond any float
-        ok = False
-    return None if ok else (f"{label} must be finite and >= 0, got {_short(v)}" if not v >= 0 else
-                            f"{label} must be 0 (argmax) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
-                            f"got {_short(v)}")
+        finite = math.isfinite(v)
+    except OverflowError:          # an integer beyond any float is no finite temperature
+        finite = False
+    if not finite or v < 0:
+        return f"{label} must be finite and >= 0, got {_short(v)}"
+    if v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE:
+        return None
+    return f"{label} must be 0 (argmax) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {_short(v)}"
 
 
 @dataclass(frozen=True)

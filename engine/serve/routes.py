@@ -89,7 +89,7 @@ async def submit(server, request, chat: bool) -> Job:
     if server.status == "loading":
         raise ApiError(503, "the model is still loading; retry when GET /health answers 200", "loading")
     if server.status != "ok":
-        loaded = getattr(server, "model", None) is not None        # else the worker stopped after loading it
+        loaded = getattr(server, "model", None) is not None        # loaded: its worker stopped since
         raise ApiError(503, f"the server failed: {server.error}" if loaded else
                        f"the model failed to load: {server.error}", server.status)
     body = parse_body(await read_body(request, server.args.max_body_bytes))
