@@ -13,6 +13,10 @@ One worker thread owns the model; the HTTP side is async. Requests that wait whi
 decoding are decoded together in the next batch: the oldest waiting request and every waiting
 request with an equal DecodeConfig (up to --max-batch), as one `Decoder.stream` call.
 
+No request can take the server down: every size it asks for is checked against the option table
+and the model's length before anything is allocated, a body over --max-body-bytes is a 413 unread,
+and hostile JSON is a 400 (docs/serve.md, "Limits and hostile input").
+
 This package is an optional entry point (`pip install -e .[serve]`): nothing else in the engine
 imports it, and it imports fastapi/uvicorn only when the server is built.
 

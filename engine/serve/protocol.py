@@ -19,8 +19,9 @@ MAX_MESSAGE = 600              # characters of an error message: a refused megab
 # integer options that are values, not counts of positions, steps or nodes: every other integer
 # option a request sets is bounded by the model's maximum length (engine/serve/server.py)
 NOT_SIZES = ("seed",)
-# options a request may not set: a compile takes the worker for a minute; a profile is a server file
-SERVER_ONLY = ("compile", "cost_profile")
+# options a request may not set: a compile takes the worker for a minute; a profile is a server file;
+# CUDA graphs hold device memory per captured (rows, block) shape
+SERVER_ONLY = ("compile", "cost_profile", "cuda_graphs")
 
 
 def one_line(text) -> str:
