@@ -2,13 +2,15 @@
 
     python -m bench.lm_eval --model psd \\
         --model_args model=DIR,method=psd,policy=confidence,threshold=0.9,depth=3,gen_length=256,block_length=32,cache=dual \\
-        --tasks gsm8k --batch_size 8 --output_path out/
+        --tasks gsm8k_local --batch_size 8 --output_path out/
 
 Importing this module registers `PsdLM` with lm-eval under the name `psd`; running it sets the
 offline switches of the HF libraries (unless already set) and hands the command line to lm-eval's
-own CLI, then prints TPF and model calls per task. Every option of `engine.DecodeConfig` is a
-model_arg (read from the engine's option table, so new options arrive without a change here),
-beside the model-level ones in `MODEL_ARGS`. docs/lm_eval.md has the details: `until` and
+own CLI, with this package's offline tasks (bench/lm_eval_tasks/: gsm8k_local, mbpp_local, on the
+shipped data) added to the task index, then prints TPF and model calls per task. A task whose
+data set is on the hub and not cached is one error line that names it (offline, it cannot load).
+Every option of `engine.DecodeConfig` is a model_arg (read from the engine's option table, so
+new options arrive without a change here), beside the model-level ones in `MODEL_ARGS`. docs/lm_eval.md has the details: `until` and
 `max_gen_toks`, prompts longer than the window, the log-likelihood estimator, where TPF appears.
 
 lm-eval is an optional extra (`pip install -e .[lm_eval]`); only this module imports it, never
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 
 import engine
 from engine import DecodeConfig, Decoder, DraftGraph, InputError
-from engine.frontend import resolve_device
+from engine.frontend import hub_id_hint, resolve_device
 from models import CheckpointError, ModelConfig, Tokenizer, attention_mask, load_model, position_ids
 
 try:
@@ -56,6 +58,8 @@ except ImportError as _e:  # pragma: no cover - the module is useless without th
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
+TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"     # gsm8k_local, mbpp_local (shipped data)
+LOCAL_TASKS = {"gsm8k": "gsm8k_local", "mbpp": "mbpp_local"}        # standard name -> its offline twin here
 TRUNCATE = ("error", "left")
 # Model-level model_args: name -> (parser, default, help). Everything else is a decoding option.
 MODEL_ARGS: dict[str, tuple[Callable, Any, str]] = {}
@@ -254,6 +258,9 @@ class PsdLM(LM):
                 raise InputError(f"decoding option {opt.name} is given twice (as {key} and another spelling)")
             given[opt.name] = opt.coerce(key, value)
 
+        hint = hub_id_hint(m["model"], flag="model=")
+        if hint is not None:
+            raise CheckpointError(hint)
         model_dir = Path(m["model"]) if m["model"] is not None else DEFAULT_MODEL_DIR
         if not model_dir.is_dir():
             raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
@@ -537,17 +544,95 @@ class PsdLM(LM):
         return out
 
 
+# ---------------------------------------------------------------------- offline tasks
+def task_manager(include_path=None, **kwargs):
+    """lm-eval's `TaskManager` with this package's offline tasks (TASKS_DIR) beside lm-eval's own
+    and `include_path`'s: `simple_evaluate(model="psd", tasks=["gsm8k_local"], task_manager=task_manager())`."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=_with_local(include_path), **kwargs)
+
+
+def _with_local(include_path) -> list[str]:
+    paths = [] if include_path is None else list(include_path) if isinstance(include_path, (list, tuple)) \
+        else [include_path]
+    return [str(TASKS_DIR), *paths]
+
+
+def _offline_error(task: str, e: Exception) -> InputError:
+    twin = LOCAL_TASKS.get(task)
+    instead = (f"use --tasks {twin} (the same task on the data shipped with psd-engine)" if twin else
+               f"use a task on local files, e.g. --tasks {' or '.join(LOCAL_TASKS.values())}")
+    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "").strip().lower()
+               in ("1", "true", "yes", "on")]
+    why = f"offline ({offline[0]}={os.environ[offline[0]]})" if offline else "the hub is not reachable"
+    detail = " ".join(str(e).split())[:300].rstrip(".")
+    return InputError(f"task {task} needs its data from the Hugging Face hub, which cannot be used here: {why}; "
+                      f"{type(e).__name__}: {detail}; {instead}, or on a machine with network access export "
+                      f"HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0 (docs/lm_eval.md, Offline tasks)")
+
+
+def _is_hub_miss(e: Exception) -> bool:
+    """Whether `e`, raised while lm-eval builds a task (its data set, or a metric its utils.py
+    fetches with `evaluate.load`), says that something on the hub could not be fetched."""
+    names = {c.__name__ for c in type(e).__mro__}
+    if names & {"ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "DatasetNotFoundError",
+                "HfHubHTTPError", "Timeout"}:
+        return True
+    text = str(e).lower()
+    return isinstance(e, OSError) and ("hugging face hub" in text or "on the hub" in text)
+
+
+class _OfflineTasks:
+    """While lm-eval's CLI runs: every TaskManager also indexes TASKS_DIR (the CLI's --include_path
+    is one string, so it cannot carry two paths), and a task that needs the hub where it cannot be
+    reached (its data set, or a metric fetched from there) is an InputError naming the task
+    instead of a traceback from `datasets` or `evaluate`."""
+
+    def __enter__(self):
+        from lm_eval.tasks import TaskManager
+
+        init, load_spec = TaskManager.__init__, TaskManager._load_spec
+        self._saved = {"__init__": init, "_load_spec": load_spec}
+
+        def manager_init(tm, verbosity=None, include_path=None, *a, **kw):
+            init(tm, verbosity, _with_local(include_path), *a, **kw)
+
+        def manager_load_spec(tm, spec, *a, **kw):
+            try:
+                return load_spec(tm, spec, *a, **kw)
+            except Exception as e:
+                if _is_hub_miss(e):
+                    name = (spec.get("task") or spec.get("group")) if isinstance(spec, dict) else spec
+                    raise _offline_error(str(name or spec), e) from None
+                raise
+
+        TaskManager.__init__, TaskManager._load_spec = manager_init, manager_load_spec
+        return self
+
+    def __exit__(self, *exc):
+        from lm_eval.tasks import TaskManager
+
+        for name, value in self._saved.items():
+            setattr(TaskManager, name, value)
+        return False
+
+
 # ---------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    """lm-eval's own CLI (`lm_eval.__main__.cli_evaluate`) with the `psd` model registered, then
-    the TPF / calls table of the run. Bad model_args print one `error:` line, exit status 2."""
+    """lm-eval's own CLI (`lm_eval.__main__.cli_evaluate`) with the `psd` model registered and the
+    offline tasks indexed, then the TPF / calls table of the run. Bad model_args, a hub data set
+    that cannot be loaded, or code tasks without a sandbox print one `error:` line, exit status 2."""
     from lm_eval.__main__ import cli_evaluate
+
+    from bench.sandbox import SandboxUnavailable
 
     sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]   # cli_evaluate parses sys.argv
     try:
-        cli_evaluate()
-    except (InputError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        with _OfflineTasks():
+            cli_evaluate()
+    except (InputError, CheckpointError, SandboxUnavailable) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if PsdLM.last is not None and PsdLM.last.stats:
         print(PsdLM.last.stats_table())

@@ -7,6 +7,12 @@ Low-level use from another tool:
     model = load_model("path/to/checkpoint", dtype="bfloat16")
     results = generate(model, [[1, 2, 3], [4, 5]], method="confidence", threshold=0.9, cache="dual")
     results[0].token_ids, results[0].calls, results[0].tpf
+
+Text in, text out (engine/text.py; works from any directory, default: the shipped model):
+
+    import engine
+    lm = engine.load()                       # or engine.load("path/to/checkpoint", dtype="bfloat16")
+    lm.generate(["Question: What is 2 + 3?\nAnswer: "], method="psd", threshold=0.9)   # -> list[str]
 """
 import sys
 import types
@@ -20,6 +26,7 @@ from .methods import METHODS, Method, register, unregister
 from .options import ACCEPTANCE, OPTIONS, Option
 from .policies import Confidence, Greedy, LocalLeap, Policy, TopK
 from .results import SequenceResult, StreamUpdate, aggregate
+from .text import TextModel, generate_text, load
 
 
 
@@ -36,5 +43,5 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 __all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "OPTIONS", "Confidence", "DecodeConfig", "Decoder", "DecodingError", "DraftGraph",
-           "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "SequenceResult", "StreamUpdate", "TopK", "aggregate",
-           "generate", "register", "unregister"]
+           "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "SequenceResult", "StreamUpdate", "TextModel",
+           "TopK", "aggregate", "generate", "generate_text", "load", "register", "unregister"]

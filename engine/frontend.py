@@ -11,6 +11,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -39,6 +40,27 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
         self.exit(2, f"error: {message} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        hint = hub_id_hint(getattr(ns, "model", None))     # every front end's --model, before any file is read
+        if hint is not None:
+            self.exit(2, f"error: {hint}\n")
+        return ns, rest
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def hub_id_hint(value, flag: str = "--model") -> str | None:
+    """The one-line hint for a model path that is no local path but looks like a Hugging Face hub
+    id (`owner/name`, neither existing here nor `owner` a local directory); None otherwise."""
+    if not isinstance(value, str) or not _HUB_ID.fullmatch(value) or os.path.lexists(value) \
+            or os.path.isdir(value.split("/")[0]) or value.startswith("."):
+        return None
+    return (f"{flag} {value} is not a local directory; it looks like a Hugging Face hub id — this engine "
+            f"loads weights from local paths only: download it first (e.g. huggingface-cli download {value} "
+            f"--local-dir DIR) and pass {flag} DIR")
 
 
 def _option_help(o) -> str:
