@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from models.parallel import agree
+
 from .cost import CostModel, measure, read_profile
 from .graph import DraftGraph, Plan, make_plan
 
@@ -172,7 +174,7 @@ class DraftBudget:
                                                self.curves)
         self.block_length = run.win.block_length
         q, c, tokens, calls = self.rates()
-        nodes = self.choose(run.seqs.numel(), q, c, tokens, calls)
+        nodes = agree(self.choose(run.seqs.numel(), q, c, tokens, calls))   # tensor-parallel ranks: rank 0's times decide
         self.chosen.append(len(nodes))
         key = tuple(nodes)
         if key not in self.plans:

@@ -2,6 +2,9 @@
 
 Bad input (a missing model directory, a bad argument, an empty prompt, ...) gets one line on
 stderr starting with `error:` and exit status 2, never a traceback.
+
+Under `torchrun --nproc-per-node N -m engine.generate ...` the model is split over the N ranks
+(tensor parallel, docs/distributed.md): rank 0 reads the prompt and prints, every rank decodes.
 """
 from __future__ import annotations
 
@@ -77,7 +80,10 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
             setattr(args, name, value)
     dc = DecodeConfig(method=args.method, **decoding_options(args)).validate()
     tok = Tokenizer(model_dir)
-    text = _read_prompt(args)
+    from . import distributed
+
+    tp = distributed.setup(args.device, mc)            # None unless launched by torchrun
+    text = distributed.from_leader(lambda: _read_prompt(args))     # stdin and files are rank 0's
     if not text.strip():
         raise InputError("the prompt is empty")
     try:
@@ -89,11 +95,11 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     from .loop import Decoder, check_prompts
 
     check_prompts(mc, dc, [tok.encode(text)])
-    device = resolve_device(args.device)
+    device = resolve_device(args.device) if tp is None else tp.device
 
     from models import load_model
 
-    model = load_model(model_dir, dtype=args.dtype, device=device)
+    model = load_model(model_dir, dtype=args.dtype, device=device, tp=tp)
     decoder = Decoder(model, dc)
     if on_text is None:
         res = decoder.generate([tok.encode(text)])[0]
@@ -102,6 +108,8 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     res.text = tok.decode(res.token_ids)
     out = res.as_dict()
     out.update(method=dc.method, policy=dc.describe(), cache=dc.cache, model=str(model_dir), dtype=args.dtype, device=device)
+    if tp is not None:
+        out["tensor_parallel"] = tp.world
     return out
 
 
@@ -136,9 +144,24 @@ def _explain(args, out: dict) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from models.parallel import launched
+
+    if launched():                               # torchrun: every rank decodes, rank 0 prints
+        from .distributed import leader_prints
+
+        with leader_prints():
+            return _command(argv, ranks=True)
+    return _command(argv)
+
+
+def _command(argv, ranks: bool = False) -> int:
     if not plugins_loaded(argv):                 # before the parser: a plugin's methods bring flags
         return 2
     args = build_parser().parse_args(argv)
+    if ranks:
+        from .distributed import run_ranks
+
+        return run_ranks(_main, args, guard=guarded)
     return guarded(_main, args)
 
 

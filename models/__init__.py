@@ -2,8 +2,10 @@
 from .checkpoint import DTYPES, checkpoint_names, init_random, load_model, save_checkpoint
 from .config import ModelConfig
 from .errors import CheckpointError
+from .parallel import ParallelError, TensorParallel, init_tensor_parallel
 from .tokenizer import Tokenizer
 from .transformer import KVCache, Transformer, attention_mask, position_ids
 
-__all__ = ["DTYPES", "CheckpointError", "KVCache", "ModelConfig", "Tokenizer", "Transformer", "attention_mask",
-           "checkpoint_names", "init_random", "load_model", "position_ids", "save_checkpoint"]
+__all__ = ["DTYPES", "CheckpointError", "KVCache", "ModelConfig", "ParallelError", "TensorParallel", "Tokenizer",
+           "Transformer", "attention_mask", "checkpoint_names", "init_random", "init_tensor_parallel", "load_model",
+           "position_ids", "save_checkpoint"]

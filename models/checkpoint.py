@@ -19,6 +19,7 @@ import torch
 
 from .config import ModelConfig, _Fields, check_regular, read_json
 from .errors import CheckpointError
+from .parallel import TensorParallel, check_divisible, parameter_count_per_rank
 from .transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
@@ -101,13 +102,14 @@ def _gib(n: int) -> str:
 
 
 def check_fits(config: ModelConfig, dtype: torch.dtype, device, source: str = "the config",
-               files_bytes: int | None = None) -> int:
-    """The bytes of the weights `config` implies at `dtype`; a CheckpointError before anything is
-    built when they exceed the memory of `device`, or when the checkpoint's tensor files
-    (`files_bytes`) are too small to hold them even in a 2-byte dtype (a config whose sizes are
-    absurd, say n_layers 10^9 or a hidden size of 2^40, fails here, not in an allocation)."""
+               files_bytes: int | None = None, world: int = 1) -> int:
+    """The bytes of the weights `config` implies at `dtype` (on one rank of `world` tensor-parallel
+    ranks); a CheckpointError before anything is built when they exceed the memory of `device`,
+    or when the checkpoint's tensor files (`files_bytes`) are too small to hold them even in a
+    2-byte dtype (a config whose sizes are absurd, say n_layers 10^9 or a hidden size of 2^40,
+    fails here, not in an allocation)."""
     n = config.parameter_count()
-    need = n * torch.empty((), dtype=dtype).element_size()
+    need = parameter_count_per_rank(config, world) * torch.empty((), dtype=dtype).element_size()
     sizes = (f"{config.num_layers} layers, hidden size {config.hidden_size}, MLP size {config.intermediate_size}, "
              f"vocabulary {config.vocab_size}")
     if files_bytes is not None and 2 * n > files_bytes:
@@ -116,7 +118,8 @@ def check_fits(config: ModelConfig, dtype: torch.dtype, device, source: str = "t
     have = available_memory(device)
     if need > have:
         where = "GPU" if torch.device(device).type == "cuda" else "machine"
-        raise CheckpointError(f"{source} implies {n:.4g} parameters ({sizes}): {_gib(need)} in "
+        share = f" per rank of {world}" if world > 1 else ""
+        raise CheckpointError(f"{source} implies {n:.4g} parameters ({sizes}): {_gib(need)}{share} in "
                               f"{_dtype_name(dtype)}, more than this {where}'s {_gib(have)} of memory")
     return need
 
@@ -196,12 +199,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               check_finite: bool = True) -> Transformer:
+               check_finite: bool = True, tp: TensorParallel | None = None) -> Transformer:
     """Load a checkpoint directory of any supported family into a `Transformer` (eval mode).
 
     With `check_finite` (the default) every tensor is checked for NaN/Inf after its conversion to
     `dtype`, one reduction per tensor (a fraction of the time the read itself takes; measured
-    in docs/models.md); `check_finite=False` skips it for callers that have validated the files."""
+    in docs/models.md); `check_finite=False` skips it for callers that have validated the files.
+    With `tp` (models/parallel.py) the model is this rank's shard: each split tensor is read as
+    this rank's slice only (safetensors `get_slice`), never whole."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist or is not a directory")
@@ -212,12 +217,16 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
             raise CheckpointError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
     config = ModelConfig.from_dir(path)
+    tp = tp if tp is not None and tp.world > 1 else None
+    world = tp.world if tp is not None else 1
+    check_divisible(config, world)
     files = _tensor_files(path)
     check_fits(config, dtype, device, str(path / "config.json"),
-               sum(check_regular(f, "the shard").st_size for f in set(files.values())))
+               sum(check_regular(f, "the shard").st_size for f in set(files.values())), world)
     with torch.device("meta"):
-        model = Transformer(config)
-    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+        full = Transformer(config)
+        model = Transformer(config, tp) if tp is not None else full
+    shapes = {k: tuple(p.shape) for k, p in full.named_parameters()}
     state = {}
     for fpath, names in _shards(config, path, files).items():          # one shard open at a time
         with _safe_open(fpath) as f:
@@ -225,7 +234,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
             for internal, name in names.items():
                 if name not in held:
                     raise CheckpointError(f"{fpath} does not hold tensor {name}, which {_INDEX} places there")
-                state[internal] = _read_tensor(f, fpath, name, shapes[internal], dtype, device, check_finite)
+                index = tp.shard_index(internal, shapes[internal]) if tp is not None else None
+                state[internal] = _read_tensor(f, fpath, name, shapes[internal], dtype, device, check_finite, index)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()
@@ -249,14 +259,17 @@ def _shards(config: ModelConfig, path: Path, files: dict[str, Path] | None = Non
     return by_file
 
 
-def _read_tensor(f, fpath: Path, name: str, shape: tuple, dtype: torch.dtype, device, check_finite: bool) -> torch.Tensor:
-    """One tensor of an open shard, checked (shape, floating dtype, finite after conversion)."""
+def _read_tensor(f, fpath: Path, name: str, shape: tuple, dtype: torch.dtype, device, check_finite: bool,
+                 index: tuple | None = None) -> torch.Tensor:
+    """One tensor of an open shard, checked (shape, floating dtype, finite after conversion);
+    with `index` (a slice per dimension) only that part of it is read."""
     where = f"weight {name} ({fpath.name})"
     try:
-        held = tuple(f.get_slice(name).get_shape())
+        part = f.get_slice(name)
+        held = tuple(part.get_shape())
         if held != shape:
             raise CheckpointError(f"tensor {name} has shape {list(held)}, the config implies {list(shape)}")
-        src = f.get_tensor(name)
+        src = f.get_tensor(name) if index is None else part[index]
     except CheckpointError:
         raise
     except Exception as e:  # an I/O error or a header the data does not match

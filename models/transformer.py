@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .parallel import TensorParallel, check_divisible, row_parallel
 
 
 class RMSNorm(nn.Module):
@@ -107,9 +108,14 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """q/k/v/o projections; under tensor parallelism (`tp`) this rank's whole heads and kv-heads
+    (q/k/v column-parallel) and the matching input slice of o (row-parallel, summed over ranks)."""
+
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.h, self.hkv, self.d = c.num_heads, c.num_kv_heads, c.head_dim
+        world = tp.world if tp is not None else 1
+        self.tp = tp
+        self.h, self.hkv, self.d = c.num_heads // world, c.num_kv_heads // world, c.head_dim
         self.bidirectional = c.attention == "bidirectional"   # own keys all visible in cached calls
         self.wq = nn.Linear(c.hidden_size, self.h * self.d, bias=c.qkv_bias)
         self.wk = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
@@ -123,27 +129,31 @@ class Attention(nn.Module):
         v = self.wv(x).view(R, T, self.hkv, self.d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attend(q, k, v, own_mask, cache_kv, cache, all_own=self.bidirectional)
-        return self.wo(o.transpose(1, 2).reshape(R, T, self.h * self.d)), (k, v)
+        return row_parallel(self.wo, o.transpose(1, 2).reshape(R, T, self.h * self.d), self.tp), (k, v)
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """SwiGLU; under tensor parallelism gate/up are column-parallel and down row-parallel."""
+
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.w_gate = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.w_up = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.tp = tp
+        inner = c.intermediate_size // (tp.world if tp is not None else 1)
+        self.w_gate = nn.Linear(c.hidden_size, inner, bias=False)
+        self.w_up = nn.Linear(c.hidden_size, inner, bias=False)
+        self.w_down = nn.Linear(inner, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return row_parallel(self.w_down, F.silu(self.w_gate(x)) * self.w_up(x), self.tp)
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.attn = Attention(c)
+        self.attn = Attention(c, tp)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, tp)
 
     def forward(self, x, cos, sin, own_mask, cache_kv, cache):
         a, kv = self.attn(self.attn_norm(x), cos, sin, own_mask, cache_kv, cache)
@@ -152,11 +162,20 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The model; with `tp` (models/parallel.py) this rank's shard of it: every block split over
+    the ranks, embeddings, norms and the LM head whole, so `forward` returns the full logits on
+    every rank (every rank must call it with the same inputs)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
+        if tp is not None and tp.world <= 1:
+            tp = None
+        if tp is not None:
+            check_divisible(config, tp.world)
         self.config = config
+        self.tp = tp
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

@@ -1,0 +1,404 @@
+"""Tensor parallelism over torch.distributed (docs/distributed.md), on CPU with 2 gloo ranks.
+
+The ranks are real processes: this file run as a script is one rank (torchrun's environment set
+by hand, `_launch`), or `torchrun` itself launches `engine.generate`. Every comparison is against
+the same checkpoint decoded by one process:
+
+  * logits of the split model equal the whole model's within fp32 tolerance (llada with and
+    without biases, dream with GQA and q/k/v biases, pangu with an o bias and context-causal
+    attention), with and without a KV cache; dropping the all-reduce breaks the equality (so the
+    comparison can fail);
+  * tokens equal in float64 for every method of the table, caches none and dual (prefix for three),
+    sampling with a temperature, and --draft-budget auto (times differ between ranks);
+  * rank 0 leading and the other ranks following (engine.serve's pattern), a stream closed early;
+  * each rank loads only its slice; sizes that do not divide give one error line;
+  * `torchrun --nproc-per-node 2 -m engine.generate` prints what the single process prints.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if __name__ == "__main__":                      # a rank: the repository on the path, as under pytest
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from models import CheckpointError, ModelConfig, ParallelError, TensorParallel, attention_mask, load_model, position_ids  # noqa: E402
+from models.parallel import check_divisible, parameter_count_per_rank, split_dim  # noqa: E402
+from models.random_checkpoint import make_checkpoint  # noqa: E402
+
+WORLD = 2
+TIMEOUT = 150                    # seconds a launch may take before its ranks are killed
+# (name, family, overrides): every split kind and bias the families have
+MODELS = [
+    ("llada", "llada", {}),
+    ("llada_bias", "llada", {"qkv_bias": True, "o_bias": True, "intermediate_size": 96}),
+    ("dream_gqa", "dream", {}),
+    ("pangu_obias", "pangu", {}),
+]
+CACHES = ("none", "dual")                       # every method; prefix for a few (EXTRA)
+GEN = dict(gen_length=12, block_length=4)
+PROMPTS = [[5, 9, 14, 3, 22, 7], [11, 2, 40]]
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {name: str(make_checkpoint(root / name, family, seed=3, std=0.3, eos_bias=2.0, **kw)[0])
+            for name, family, kw in MODELS}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _launch(job: dict, tmp_path: Path, world: int = WORLD) -> list:
+    """Run `job` on `world` ranks (this file as a script); each rank's result, rank order. (The
+    single-process references are computed after, not meanwhile: ranks in lockstep slow down
+    sharply when a third busy process takes their cores.)"""
+    job_file = tmp_path / f"job-{time.monotonic_ns()}.pkl"
+    job_file.write_bytes(pickle.dumps(job))
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = _env(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, __file__, str(job_file)], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + TIMEOUT
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the {world} ranks did not finish within {TIMEOUT} s (a rank waits in a collective)")
+    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return [pickle.loads(Path(f"{job_file}.{rank}").read_bytes()) for rank in range(world)]
+
+
+def _inputs(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths, n_gen = [9, 5], 8
+    P = max(lengths)
+    N = P + n_gen
+    ids = torch.randint(0, cfg.vocab_size - 2, (len(lengths), N), generator=g)
+    valid = torch.zeros(len(lengths), N, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[b, P - n:] = True
+    return ids, valid, P, N
+
+
+def _logits(model):
+    """Logits of a whole-canvas call, and of a block call over the KV cache of the rest (dual)."""
+    from models import KVCache
+
+    cfg = model.config
+    ids, valid, P, N = _inputs(cfg)
+    idx = torch.arange(N)
+    pos = position_ids(cfg, valid)
+    with torch.no_grad():
+        full, kvs = model(ids, pos, attention_mask(cfg, valid, P, P, 4, idx, idx), return_kv=True)
+        blk = torch.arange(P, P + 4)
+        rest = torch.cat((torch.arange(P), torch.arange(P + 4, N)))
+        cache = KVCache([(k[:, :, rest], v[:, :, rest]) for k, v in kvs],
+                        attention_mask(cfg, valid, P, P, 4, blk[:1], rest)[:, 0, 0])
+        cached, _ = model(ids[:, blk], pos[:, blk], attention_mask(cfg, valid, P, P, 4, blk, blk), cache=cache)
+    return full, cached
+
+
+class _one_thread:
+    """One intra-op thread inside (as the ranks run): on a loaded 2-core machine, tiny ops spread
+    over threads that wait for each other take many times longer."""
+
+    def __enter__(self):
+        self.was = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.was)
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with _one_thread():
+        yield
+
+
+def _decode_all(model, methods, caches, extra=()):
+    """{(method, cache, options): token ids per prompt, or the error's text} for every combination."""
+    from engine.errors import InputError
+    from engine.loop import Decoder
+    from engine.config import DecodeConfig
+
+    out = {}
+    combos = [(m, c, ()) for m in methods for c in caches] + list(extra)
+    for method, cache, opts in combos:
+        try:
+            dc = DecodeConfig(method=method, cache=cache, conf_dtype="float64", **GEN, **dict(opts)).validate()
+            res = Decoder(model, dc).generate(PROMPTS)
+            out[(method, cache, opts)] = [(r.token_ids, r.calls) for r in res]
+        except InputError as e:                  # a combination the method refuses: the same on every rank
+            out[(method, cache, opts)] = f"refused: {e}"
+    return out
+
+
+EXTRA = [("greedy", "prefix", ()), ("psd", "prefix", ()), ("ete", "prefix", ()),
+         ("confidence", "none", (("temperature", 0.7), ("seed", 11))),
+         ("psd", "dual", (("draft_budget", "auto"), ("acceptance", "exact"))),
+         ("spiffy", "none", (("draft_budget", "auto"), ("depth", 3)))]
+
+
+# ---------------------------------------------------------------------- one rank (this file as a script)
+def _rank_main(job_file: str) -> None:
+    from models.parallel import init_tensor_parallel, shutdown
+
+    job = pickle.loads(Path(job_file).read_bytes())
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel("cpu")
+    out = {}
+    if job["kind"] == "logits":
+        for name, path in job["ckpts"].items():
+            model = load_model(path, dtype="float32", tp=tp)
+            out[name] = {"logits": _logits(model),
+                         "shapes": {k: tuple(p.shape) for k, p in model.named_parameters()},
+                         "params": sum(p.numel() for p in model.parameters())}
+            for m in model.modules():                           # the same model without its all-reduces
+                if getattr(m, "tp", None) is not None:
+                    m.tp = _NoReduce(tp.rank, tp.world, tp.device)
+            out[name]["unreduced"] = _logits(model)
+    elif job["kind"] == "tokens":
+        for name, path in job["ckpts"].items():
+            model = load_model(path, dtype="float64", tp=tp)
+            out[name] = _decode_all(model, job["methods"], CACHES, EXTRA)
+    elif job["kind"] == "follow":
+        out = _follow_job(job, tp)
+    Path(f"{job_file}.{tp.rank}").write_bytes(pickle.dumps(out))
+    shutdown()
+
+
+class _NoReduce(TensorParallel):
+    def all_reduce(self, t):
+        return t
+
+
+def _follow_job(job, tp):
+    """engine.serve's pattern: rank 0 alone decides what to decode, the others follow."""
+    from engine import distributed
+    from engine.config import DecodeConfig
+
+    model = load_model(job["ckpt"], dtype="float64", tp=tp)
+    if tp.rank != 0:
+        return {"followed": distributed.follow(model)}
+    dec_cls = distributed.decoder_class()
+    out = {}
+    dec = dec_cls(model, DecodeConfig(method="psd", cache="dual", **GEN))
+    out["stream"] = [u.pieces for u in dec.stream(PROMPTS)]
+    steps = dec_cls(model, DecodeConfig(method="confidence", **GEN)).stream(PROMPTS)
+    out["early"] = [next(steps).pieces, next(steps).pieces]
+    steps.close()                                 # a client went away: every rank stops this stream
+    out["generate"] = [r.token_ids for r in dec_cls(model, DecodeConfig(method="spiffy", **GEN)).generate(PROMPTS)]
+    try:                                          # a bad request: refused on every rank, none hangs
+        dec_cls(model, DecodeConfig(method="greedy", **GEN)).generate([[]])
+    except Exception as e:                        # noqa: BLE001
+        out["bad"] = type(e).__name__
+    out["after"] = [r.token_ids for r in dec_cls(model, DecodeConfig(method="topk", **GEN)).generate(PROMPTS)]
+    distributed.release()
+    return out
+
+
+# ---------------------------------------------------------------------- (a) logits, (c) shapes
+def test_split_model_logits_equal_the_whole_model(ckpts, tmp_path):
+    ranks = _launch({"kind": "logits", "ckpts": ckpts}, tmp_path)
+    for name, family, kw in MODELS:
+        whole = load_model(ckpts[name], dtype="float32")
+        ref_full, ref_cached = _logits(whole)
+        scale = ref_full.abs().max().item()
+        for rank, res in enumerate(ranks):
+            full, cached = res[name]["logits"]
+            assert (full - ref_full).abs().max().item() < 1e-5 * max(scale, 1), (name, rank)
+            assert (cached - ref_cached).abs().max().item() < 1e-5 * max(scale, 1), (name, rank)
+            assert torch.equal(full, ranks[0][name]["logits"][0]), "ranks disagree on the logits"
+            unreduced = res[name]["unreduced"][0]       # the comparison catches a missing all-reduce
+            assert (unreduced - ref_full).abs().max().item() > 1e-2 * scale, (name, rank)
+        # each rank holds its slice only: split tensors 1/WORLD of the whole, the rest whole
+        cfg = whole.config
+        for k, p in whole.named_parameters():
+            dim = split_dim(k)
+            for res in ranks:
+                got = res[name]["shapes"][k]
+                want = list(p.shape)
+                if dim is not None:
+                    want[dim] //= WORLD
+                assert list(got) == want, (name, k)
+        assert ranks[0][name]["params"] == parameter_count_per_rank(cfg, WORLD) < cfg.parameter_count()
+
+
+# ---------------------------------------------------------------------- (b) tokens, every method
+def test_split_model_decodes_the_same_tokens_for_every_method(ckpts, tmp_path):
+    from engine.methods import METHODS
+
+    methods = list(METHODS)
+    use = {name: ckpts[name] for name in ("llada_bias", "dream_gqa", "pangu_obias")}
+    ranks = _launch({"kind": "tokens", "ckpts": use, "methods": methods}, tmp_path)
+    decoded = 0
+    for name, path in use.items():
+        ref = _decode_all(load_model(path, dtype="float64"), methods, CACHES, EXTRA)
+        for key, want in ref.items():
+            timed = ("draft_budget", "auto") in key[2]
+            for rank, res in enumerate(ranks):
+                got, expect = res[name][key], want
+                if timed:          # measured times choose the drafts: calls vary run to run, never tokens
+                    assert got == ranks[0][name][key], "the ranks verified different drafts"
+                    got, expect = [t for t, _ in got], [t for t, _ in want]
+                assert got == expect, (name, key, rank)
+            decoded += not isinstance(want, str)
+        for method in methods:                 # every method decoded under caches none and dual
+            for cache in ("none", "dual"):
+                runs = [v for (m, c, _), v in ref.items() if m == method and c == cache]
+                assert runs and not isinstance(runs[0], str), (name, method, cache, runs)
+    assert decoded >= len(use) * len(methods) * 2
+
+
+def test_rank0_leads_and_the_others_follow(ckpts, tmp_path):
+    from engine.config import DecodeConfig
+    from engine.loop import Decoder
+
+    path = ckpts["pangu_obias"]
+    ranks = _launch({"kind": "follow", "ckpt": path}, tmp_path)
+    lead = ranks[0]
+    whole = load_model(path, dtype="float64")
+    assert lead["stream"] == [u.pieces for u in Decoder(whole, DecodeConfig(method="psd", cache="dual", **GEN)).stream(PROMPTS)]
+    steps = Decoder(whole, DecodeConfig(method="confidence", **GEN)).stream(PROMPTS)
+    assert lead["early"] == [next(steps).pieces, next(steps).pieces]
+    assert lead["generate"] == [r.token_ids for r in Decoder(whole, DecodeConfig(method="spiffy", **GEN)).generate(PROMPTS)]
+    assert lead["bad"] == "InputError"
+    assert lead["after"] == [r.token_ids for r in Decoder(whole, DecodeConfig(method="topk", **GEN)).generate(PROMPTS)]
+    assert ranks[1]["followed"] == 5
+
+
+# ---------------------------------------------------------------------- (c) sharded loading, in one process
+def test_each_rank_reads_only_its_slice(ckpts, monkeypatch):
+    """Loading for rank r of 2 needs no process group: the slices concatenate to the whole
+    tensors, and no split tensor is ever read whole (safetensors get_tensor)."""
+    import models.checkpoint as ck
+
+    opened = ck._safe_open
+    whole_reads = []
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            whole_reads.append(name)
+            return self.f.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(ck, "_safe_open", lambda f: Spy(opened(f)))
+    path = ckpts["pangu_obias"]
+    whole = dict(load_model(path).named_parameters())
+    whole_reads.clear()
+    parts = [dict(load_model(path, tp=TensorParallel(rank, WORLD)).named_parameters()) for rank in range(WORLD)]
+    names = ck.checkpoint_names(ModelConfig.from_dir(path))
+    split = {names[k] for k in whole if split_dim(k) is not None}
+    assert split and not split & set(whole_reads)
+    for k, w in whole.items():
+        dim = split_dim(k)
+        got = torch.cat([p[k] for p in parts], dim) if dim is not None else parts[1][k]
+        assert torch.equal(got, w), k
+
+
+def test_sizes_that_do_not_divide_are_one_error_line(tmp_path):
+    path, _ = make_checkpoint(tmp_path / "odd", "dream", num_heads=6, num_kv_heads=3, head_dim=16)
+    with pytest.raises(ParallelError) as e:
+        load_model(path, tp=TensorParallel(0, WORLD))
+    msg = str(e.value)
+    assert "\n" not in msg and "num_kv_heads 3" in msg and "num_heads 6" not in msg
+    assert isinstance(e.value, CheckpointError)
+    with pytest.raises(ParallelError, match="intermediate_size 5"):
+        check_divisible(ModelConfig.tiny("llada", intermediate_size=5), WORLD)
+    check_divisible(ModelConfig.tiny("llada", intermediate_size=5), 1)
+
+
+def test_launch_errors_are_one_line(tmp_path, ckpts):
+    """WORLD_SIZE without RANK, and a fixed cuda:N for every rank: one `error:` line, exit 2."""
+    cases = [({"WORLD_SIZE": "2"}, ["--device", "cpu"], "RANK"),
+             ({"WORLD_SIZE": "2", "RANK": "0"}, ["--device", "cuda:1"], "cuda:LOCAL_RANK")]
+    for env, argv, msg in cases:
+        p = subprocess.run([sys.executable, "-m", "engine.generate", "--model", ckpts["llada"], "t1 t2", *argv],
+                           cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], p.stderr
+
+
+# ---------------------------------------------------------------------- (d) torchrun end to end
+def _torchrun(argv, nproc=WORLD):
+    exe = shutil.which("torchrun")
+    launcher = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    return subprocess.run([*launcher, "--standalone", f"--nproc-per-node={nproc}", "-m", "engine.generate", *argv],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _without_seconds(stdout: str) -> list[str]:
+    return [line.split(" seconds=")[0] for line in stdout.splitlines()]
+
+
+def test_torchrun_generate_prints_what_one_process_prints(ckpts, tmp_path):
+    argv = ["--model", ckpts["dream_gqa"], "--dtype", "float64", "--device", "cpu", "--method", "psd",
+            "--cache", "dual", "--gen-length", "12", "--block-length", "4", "--prompt-file", "-"]
+    prompt = "t5 t9 t14 t3"
+    one = subprocess.run([sys.executable, "-m", "engine.generate", *argv], input=prompt, cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr
+    exe = shutil.which("torchrun")
+    launcher = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    two = subprocess.run([*launcher, "--standalone", f"--nproc-per-node={WORLD}", "-m", "engine.generate", *argv],
+                         input=prompt, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert _without_seconds(two.stdout) == _without_seconds(one.stdout)     # printed once: by rank 0
+    assert len(one.stdout.splitlines()) == 2 and one.stdout.split()[0]
+
+
+def test_torchrun_refuses_a_model_that_does_not_split(tmp_path):
+    path, _ = make_checkpoint(tmp_path / "odd", "dream", num_heads=6, num_kv_heads=3, head_dim=16)
+    p = _torchrun(["--model", str(path), "--device", "cpu", "t1 t2"])
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "num_kv_heads 3" in errors[0] and "divisible by 2" in errors[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr.split("error:")[0]          # (torchrun's own report follows it)
+    assert "exitcode: 2" in p.stderr and "terminate called" not in p.stderr, p.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])
