@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything a GPU must show, in one command (docs/gpu.md):
 #
-#   bash bench/gpu_report.sh OUT_DIR          # on a CUDA machine: budgets add up to 470 s
+#   bash bench/gpu_report.sh OUT_DIR          # on a CUDA machine: budgets add up to 560 s
 #   bash bench/gpu_report.sh --dry OUT_DIR    # the same sections on CPU, tiny shapes, reference and
 #                                             # interpreter paths (what CI runs)
 #
 # Sections: environment (imports, versions, nvidia-smi), compiled Triton kernel tests, kernel
 # microbenchmarks (top-1 GB/s against HBM bandwidth; shared-prefix attention against SDPA
 # variants at LLaDA-8B and Dream-7B head shapes; draft assembly), `bench.speed --cost-curve` at
-# the llada-8b and dream-7b shapes in bf16, and `bench.speed` end to end on the shipped model.
+# the llada-8b and dream-7b shapes in bf16, `bench.speed` end to end on the shipped model, and
+# (GPU only) eager against --cuda-graphs replay of the verification calls on one GPU.
 # Each section runs under its own time budget (`timeout`); a failed or timed-out section is
 # recorded in OUT_DIR/summary.md and the others still run; the exit status is non-zero if any
 # section failed. Needs only the project's source tree (PYTHONPATH is set here; nothing is
@@ -136,7 +137,7 @@ METHODS=(greedy confidence psd:policy=confidence,d=1 psd:policy=confidence,d=3 s
 if [[ $SKIP_ALL -eq 1 ]]; then
     :
 elif [[ $DRY -eq 0 ]]; then
-    # ------------------------------------------------------------ GPU: budgets sum to 470 s
+    # ------------------------------------------------------------ GPU: budgets sum to 560 s
     section kernel_tests 165 "$PY" -m pytest tests/test_top1.py tests/test_draft.py tests/test_sparse_attn.py \
         -q -o addopts= -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml"
     section bench_top1 25 bench_kernel top1 bench.bench_top1 --rows 32 256 1024 --vocab 126464 152064 \
@@ -153,6 +154,13 @@ elif [[ $DRY -eq 0 ]]; then
     section end_to_end 90 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
         --batch-sizes 1 32 --num-prompts 8 32 --cache none dual --gen-length 64 --repeats 3 --dtype bfloat16 \
         --out "$OUT/end_to_end" --quiet
+    # one GPU (TP=1): the same static-rows PSD eager and replayed from CUDA graphs (engine/graphs.py, never
+    # run on a GPU before this report); the confidence policy and its static-rows/graphs twin are the baselines.
+    # GPU only: --cuda-graphs is an error on CPU (its padding path runs on CPU in tests/test_cuda_graphs.py)
+    section cuda_graphs 90 "$PY" -m bench.speed --model models/default --methods confidence \
+        psd:policy=confidence,d=3,static_rows=true psd:policy=confidence,d=3,static_rows=true,cuda_graphs=true \
+        --batch-sizes 1 32 --num-prompts 8 32 --cache none dual --gen-length 64 --repeats 3 --dtype bfloat16 \
+        --out "$OUT/cuda_graphs" --quiet
 else
     # ------------------------------------------------------------ dry: same sections, tiny shapes, CPU
     # a sample of every kernel's tests, reference and interpreter (about 40 tests; the whole files take minutes)
@@ -272,6 +280,9 @@ for shape in ("llada_8b", "dream_7b"):
 md = out / "end_to_end" / "speed.md"
 if md.is_file():
     L += ["## End to end on the shipped model", "", md.read_text(), ""]
+md = out / "cuda_graphs" / "speed.md"
+if md.is_file():
+    L += ["## CUDA graphs: eager against --cuda-graphs (static rows, one GPU)", "", md.read_text(), ""]
 L += ["## nvidia-smi", "", "```", (out / "nvidia-smi.txt").read_text().rstrip() if (out / "nvidia-smi.txt").is_file()
       else "(not captured)", "```", ""]
 for s in failed:

@@ -20,6 +20,11 @@ engine's own cache modes (dual by default: the cache is built once, then `CACHE_
 runs the rows over it with every row mapped to its sequence's cache row). Writes a cost
 profile (JSON, docs/gpu.md) that tools read to choose draft budgets.
 
+`--simulate CARD [CARD ...]` (bench/simulate.py) prints a PROJECTION, not a measurement: the
+methods decode here with the acceptance model, every model call is recorded, and each call is
+costed on the card by a roofline at `--shape` (HBM bandwidth and dense bf16 FLOP/s from the
+vendor datasheets) or by a measured `--cost-profile`; docs/gpu.md gives the formula.
+
 `--shape NAME` builds random weights at a real shape in memory, on the target device and in
 the target dtype (nothing touches the disk): acceptance is meaningless there, so only the call
 cost side (ms per call against rows per call) is reported.
@@ -43,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate
+from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate, graphs
 from engine.cache import Window
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, guarded, plugins_loaded,
                              resolve_device)
@@ -56,8 +61,12 @@ from models.checkpoint import available_memory
 
 from ._common import bench_threads, device_name, versions
 from .eval import method_config, parse_method
+from .simulate import CARDS as SIMULATE_CARDS
 
 PROFILE_FORMAT = "psd-cost-profile/1"
+DEFAULT_METHODS = ["greedy", "confidence", "psd:policy=confidence,d=3"]
+# --simulate: the policy alone, PSD at a fixed depth, PSD with the draft budget chosen for the card
+DEFAULT_SIMULATE_METHODS = ["confidence", "psd:policy=confidence,d=3", "psd:policy=confidence,d=3,draft_budget=auto"]
 RANDOM_NOTE = ("random weights (--shape): acceptance, TPF and tokens/s mean nothing here; read the call cost "
                "(ms per call against rows per call)")
 
@@ -128,6 +137,8 @@ class CallCounter:
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
+        if graphs.active():          # --cuda-graphs: a warm-up or capture inside one call, counted from its stats
+            return
         ids = args[0] if args else kwargs["ids"]
         self.calls += 1
         self.rows += ids.shape[0]
@@ -308,6 +319,12 @@ def _merge(hists: list[dict]) -> dict:
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
+def _graphed(dec) -> tuple[int, int]:
+    """Calls and rows a --cuda-graphs decoder served through graphs (their forwards are replays)."""
+    stats = getattr(dec.cache_mode, "stats", None)
+    return (stats["calls"], stats["rows"]) if stats else (0, 0)
+
+
 def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen_length, block_length,
                    repeats, warmup, pbar) -> list[dict]:
     """Decode `prompts` with every method of `plan`, repeats interleaved in rotating order."""
@@ -325,13 +342,15 @@ def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen
             _sync(device)
             _reset_peak(device)
             counter.reset()
+            served = _graphed(decs[label])
             results = []
             t0 = time.perf_counter()
             for b in batches:
                 results += decs[label].generate(b)
             _sync(device)
             seconds = time.perf_counter() - t0
-            runs[label].append({"seconds": seconds, "calls": counter.calls, "rows": counter.rows,
+            served = [a - b for a, b in zip(_graphed(decs[label]), served)]      # replayed calls (--cuda-graphs)
+            runs[label].append({"seconds": seconds, "calls": counter.calls + served[0], "rows": counter.rows + served[1],
                                 "agg": aggregate(results), "peak": peak_memory_mib(device)})
             if pbar is not None:
                 pbar.update(1)
@@ -481,9 +500,10 @@ def build_parser() -> Parser:
     src.add_argument("--model", help="checkpoint directory (default: the shipped models/default)")
     src.add_argument("--shape", choices=list(SHAPES),
                      help="random weights at a real shape, built in memory (no acceptance: call cost only)")
-    p.add_argument("--methods", nargs="+", default=["greedy", "confidence", "psd:policy=confidence,d=3"],
+    p.add_argument("--methods", nargs="+",
                    help="method specs as bench.eval takes them (name[:key=value,...]); greedy and each "
-                        "method's no-draft baseline are added")
+                        f"method's no-draft baseline are added (default: {' '.join(DEFAULT_METHODS)}; with "
+                        f"--simulate: {' '.join(DEFAULT_SIMULATE_METHODS)}, nothing added)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     p.add_argument("--num-prompts", type=int, nargs="+",
                    help="prompts per configuration: one value, or one per batch size "
@@ -513,6 +533,14 @@ def build_parser() -> Parser:
     p.add_argument("--cost-reps", type=int, help="--cost-curve: timed calls per point (default: 20 GPU, 5 CPU)")
     p.add_argument("--cost-profile-out", help="--cost-curve: the cost profile JSON (default: OUT/cost_profile.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --cost-profile-out file")
+    p.add_argument("--simulate", nargs="+", metavar="CARD",
+                   help="a PROJECTION, not a measurement (bench/simulate.py): decode here, record every call, "
+                        f"cost each call on CARD ({', '.join(SIMULATE_CARDS)}) by a roofline at --shape (or "
+                        "--cost-profile) and print projected tokens/s")
+    p.add_argument("--cost-profile", metavar="PATH",
+                   help="--simulate: cost of a call from a bench.speed --cost-curve profile instead of the roofline")
+    p.add_argument("--call-overhead-ms", dest="overhead_ms", type=float,
+                   help="--simulate: fixed cost added to every roofline call (default: 0.5, an assumption)")
     p.add_argument("--out", help="output directory (default: a fresh runs/speed-<time>/)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -544,6 +572,8 @@ def _check_args(args) -> None:
         check_regular(args.prompts, "prompt file", InputError)
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise InputError(f"--out {args.out} exists and is not a directory")
+    if (args.cost_profile or args.overhead_ms is not None) and not args.simulate:
+        raise InputError(f"{'--cost-profile' if args.cost_profile else '--call-overhead-ms'} applies to --simulate only")
     if args.cost_profile_out is not None:
         check_output_file(Path(args.cost_profile_out), "--cost-profile-out", args.overwrite, args.cost_curve)
 
@@ -609,7 +639,16 @@ def main(argv=None) -> int:
 def _run(args, argv) -> int:
     _check_args(args)
     command = "python -m bench.speed " + " ".join(shlex.quote(a) for a in argv)
-    plan = [] if args.cost_curve else method_plan(args.methods)
+    if args.simulate:                       # a projection: decode here, cost every call on the card
+        from . import simulate
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        else:
+            bench_threads()
+        device = torch.device(resolve_device(args.device))
+        return simulate.run(args, command, versions(), device, device_name(device))
+    plan = [] if args.cost_curve else method_plan(args.methods or DEFAULT_METHODS)
     if not args.cost_curve:
         for gl in args.gen_length:          # every option checked before any weight is read
             for cache in args.cache:

@@ -32,6 +32,7 @@ class DecodeConfig:
     conf_dtype: str
     static_rows: bool | None
     compile: bool | None
+    cuda_graphs: bool | None
     steps: int | None
     threshold: float | None
     kappa: float | None

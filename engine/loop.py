@@ -32,6 +32,7 @@ from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts
 from .errors import InputError
 from .graph import make_plan
+from .graphs import graphed
 from .progress import apply_stopping, guard_progress, raise_failure
 from .policies import policy_select, rank_of, sequence_noise
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
@@ -58,6 +59,8 @@ class Decoder:
         if self.dc.compile and model.device.type == "cpu" and not any(map(shutil.which, ("c++", "g++", "clang++"))):
             raise InputError("--compile on CPU needs a C++ compiler on PATH (torch inductor builds C++ kernels)")
         self.cache_mode = CACHE_MODES[self.dc.cache](model.compiled() if self.dc.compile else model)
+        if self.dc.cuda_graphs:                # verification calls replayed from CUDA graphs (engine/graphs.py)
+            self.cache_mode = graphed(self.cache_mode, self.dc, model.device)
         if self.dc.cross_block and self.mc.attention != "bidirectional":
             raise InputError("--cross-block needs a bidirectional model (a context-causal block never sees the next)")
         dev = model.device

@@ -165,6 +165,9 @@ for _o in (
     Option("compile", bool, "torch.compile the model's transformer blocks for this decoder (dynamic shapes; the "
            "first calls compile; the eager model is left as it is; bf16 rounding may differ from eager)",
            label="--compile", general=True),
+    Option("cuda_graphs", bool, "replay every verification call from a CUDA graph captured per (rows, block) "
+           "bucket (engine/graphs.py; needs a CUDA device and --static-rows; not yet run on a GPU)",
+           label="--cuda-graphs", general=True),
     # ---- method and policy options (engine/methods.py says which method takes which)
     Option("steps", int, "total steps over the generation (default: gen length)", check=_at_least(1)),
     Option("threshold", float, "confidence threshold τ", check=_unit, aliases=("tau",)),
@@ -198,7 +201,7 @@ for _o in (
     register(_o)
 
 
-RUNTIME = ("static_rows", "compile")     # how calls run, not what is decoded: shown apart in labels
+RUNTIME = ("static_rows", "compile", "cuda_graphs")     # how calls run, not what is decoded: shown apart in labels
 
 
 def resolve(key: str) -> Option:

@@ -1,0 +1,354 @@
+"""`python -m bench.speed --simulate CARD`: a PROJECTION (not a measurement) of tokens/s on a GPU.
+
+    python -m bench.speed --simulate h100-sxm --shape llada-8b --num-prompts 8 --gen-length 64
+    python -m bench.speed --simulate h100-sxm a100-80g --shape llada-8b --cache none dual --batch-sizes 1 8
+    python -m bench.speed --simulate h100-sxm --cost-profile gpu-report/cost_llada_8b/cost_profile.json ...
+
+Until a GPU runs the benchmark, this says what the measured call structure would be worth on a
+card. Two inputs:
+
+1. The calls a decode makes, measured here: every method decodes the prompts on THIS machine
+   with the acceptance model (the shipped models/default, or --model DIR), and a forward
+   pre-hook records every model call: its rows n, query positions T, cached positions P, cache
+   rows C and logit positions O per row. Tokens, calls, TPF and acceptance are real decodes;
+   they are the acceptance model's, not the target's (a 5.6M-parameter model accepts other
+   drafts than LLaDA-8B would).
+2. The cost of each such call on the card: a roofline at the target shape (--shape, or the
+   acceptance model's own config), or a measured cost curve (--cost-profile, from
+   `bench.speed --cost-curve` on that card: ms of a call of n canvases, whatever T and P).
+
+Roofline cost of one call (element size s bytes, the card's HBM bandwidth BW and dense
+bf16 FLOP/s F from the vendor datasheet, `CARDS`):
+
+    tokens  = n·T
+    bytes   = s·( W_body + V·d                    weights, each read once per call (the LM head too)
+                + tokens·d                        the embedding rows gathered
+                + C·P·layers·2·Hkv·D              the cache, each cache row read once (shared by its drafts)
+                + tokens·layers·(17d + 6q + 6kv + 6I)   activations: every op reads its input and writes its output once
+                + 2·n·O·V )                       logits written, then read by top-1
+    flops   = 2·W_body·tokens + 2·d·V·n·O + 4·layers·H·D·n·T·(P + T)
+    ms      = max(bytes / BW, flops / F) + overhead     (overhead: --call-overhead-ms, default 0.5)
+
+with W_body the parameters of the transformer blocks and the final norm, q = H·D, kv = Hkv·D,
+I the MLP width. The overhead is an assumption (launches not hidden behind the GPU work, the
+step's host read, top-1, drafting and selection), not a measurement. A roofline is a bound:
+real kernels reach some fraction of it (bandwidth-bound GEMV-like calls typically 60-85%).
+
+Projected tokens/s of a method = tokens / Σ_calls ms(call). By construction, a plain policy at
+batch 1 with no cache runs every call as one row over its prompt's whole canvas, so for one
+prompt its projection is tokens / (calls · ms(one row of that canvas)) (tests/test_simulate.py). `--draft-budget auto` decodes with the engine's own budget
+(engine/budget.py) given the card's projected cost model (the roofline of a verification call
+of n canvases, or the --cost-profile curve): it chooses the nodes it would choose on that card,
+from this machine's acceptance.
+
+Output: a table titled "PROJECTION (not a measurement)", printed and written to --out (default
+runs/simulate-<time>/): projection.md, projection.csv, projection.json.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine import DecodeConfig, Decoder, InputError
+from engine.cost import CostModel
+
+TITLE = "PROJECTION (not a measurement)"
+OVERHEAD_MS = 0.5
+
+
+@dataclass(frozen=True)
+class Card:
+    label: str
+    hbm_gbps: float          # GB/s (1e9 bytes per second)
+    bf16_tflops: float       # dense (no sparsity), 1e12 FLOP/s
+    source: str
+
+
+# Vendor datasheets; bf16 figures are dense (the datasheets' "with sparsity" figures halved).
+CARDS: dict[str, Card] = {
+    "h100-sxm": Card("NVIDIA H100 SXM5 80GB", 3350, 989, "NVIDIA H100 Tensor Core GPU datasheet: 3.35 TB/s HBM3, "
+                     "1,979 TFLOPS bf16 with sparsity"),
+    "h100-pcie": Card("NVIDIA H100 PCIe 80GB", 2000, 756, "NVIDIA H100 datasheet: 2 TB/s HBM2e, 1,513 TFLOPS bf16 "
+                      "with sparsity"),
+    "h100-nvl": Card("NVIDIA H100 NVL 94GB", 3900, 835, "NVIDIA H100 datasheet: 3.9 TB/s HBM3, 1,671 TFLOPS bf16 "
+                     "with sparsity"),
+    "h200": Card("NVIDIA H200 SXM 141GB", 4800, 989, "NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 1,979 TFLOPS bf16 "
+                 "with sparsity"),
+    "a100-80g": Card("NVIDIA A100 SXM4 80GB", 2039, 312, "NVIDIA A100 datasheet: 2,039 GB/s HBM2e, 312 TFLOPS bf16 "
+                     "dense (624 with sparsity)"),
+    "a100-40g": Card("NVIDIA A100 SXM4 40GB", 1555, 312, "NVIDIA A100 datasheet: 1,555 GB/s HBM2, 312 TFLOPS bf16 "
+                     "dense"),
+}
+
+
+def card(name: str) -> Card:
+    if name not in CARDS:
+        raise InputError(f"unknown card {name!r} for --simulate; expected one of {', '.join(CARDS)}")
+    return CARDS[name]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One model call: n rows of T query positions over P cached positions of C cache rows,
+    logits for O positions per row."""
+
+    rows: int
+    tokens: int
+    cached: int = 0
+    cache_rows: int = 0
+    out: int = 0
+
+
+# ---------------------------------------------------------------------- the roofline
+def roofline_ms(bytes_moved: float, flops: float, c: Card, overhead_ms: float = OVERHEAD_MS) -> float:
+    """max(bytes / bandwidth, flops / peak) + overhead, in milliseconds."""
+    return max(bytes_moved / (c.hbm_gbps * 1e9), flops / (c.bf16_tflops * 1e12)) * 1e3 + overhead_ms
+
+
+def body_params(mc) -> int:
+    """Parameters every token multiplies: the transformer blocks and the final norm."""
+    return mc.parameter_count() - mc.vocab_size * mc.hidden_size * (1 if mc.tie_embeddings else 2)
+
+
+def call_bytes(mc, call: Call, elem: int) -> float:
+    d, q, kv, I, L, V = (mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim,
+                         mc.intermediate_size, mc.num_layers, mc.vocab_size)
+    tokens = call.rows * call.tokens
+    return elem * (body_params(mc) + V * d + tokens * d + call.cache_rows * call.cached * L * 2 * kv
+                   + tokens * L * (17 * d + 6 * q + 6 * kv + 6 * I) + 2 * call.rows * call.out * V)
+
+
+def call_flops(mc, call: Call) -> float:
+    tokens = call.rows * call.tokens
+    attn = 4 * mc.num_layers * mc.num_heads * mc.head_dim * call.rows * call.tokens * (call.cached + call.tokens)
+    return 2 * body_params(mc) * tokens + 2 * mc.hidden_size * mc.vocab_size * call.rows * call.out + attn
+
+
+def call_ms(mc, call: Call, c: Card, elem: int = 2, overhead_ms: float = OVERHEAD_MS) -> float:
+    return roofline_ms(call_bytes(mc, call, elem), call_flops(mc, call), c, overhead_ms)
+
+
+def bandwidth_bound(mc, call: Call, c: Card, elem: int = 2) -> bool:
+    return call_bytes(mc, call, elem) / (c.hbm_gbps * 1e9) >= call_flops(mc, call) / (c.bf16_tflops * 1e12)
+
+
+def verification_call(cache: str, mc_acc, prompt_width: int, gen_length: int, block_length: int, rows: int,
+                      cache_rows: int) -> Call:
+    """The typical verification call of a decode (mid-generation block): what the budget plans with."""
+    N = prompt_width + gen_length
+    lo = prompt_width + (gen_length // block_length // 2) * block_length
+    shift = mc_acc.logit_shift
+    if cache == "none":
+        return Call(rows, N, 0, 0, block_length)
+    bidir = mc_acc.attention == "bidirectional"
+    if cache == "prefix":
+        return Call(rows, (N if bidir else lo + block_length) - lo + shift, lo - shift, cache_rows, block_length)
+    return Call(rows, block_length + shift, (lo - shift) + ((N - lo - block_length) if bidir else 0), cache_rows,
+                block_length)
+
+
+# ---------------------------------------------------------------------- recording calls
+class CallTrace:
+    """Every forward call of a model as a `Call` (a pre-hook: shapes only, no host sync)."""
+
+    def __init__(self, model):
+        self.calls: list[Call] = []
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = args[0] if args else kwargs["ids"]
+        cache = kwargs.get("cache")
+        R, T = ids.shape
+        start = kwargs.get("out_start", 0)
+        out = kwargs.get("out_len")
+        self.calls.append(Call(R, T, 0 if cache is None else cache.length,
+                               0 if cache is None else cache.key_mask.shape[0], T - start if out is None else out))
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+# ---------------------------------------------------------------------- the projection
+def project(calls: list[Call], cost) -> float:
+    """Milliseconds of a decode: the sum of its calls' costs."""
+    return sum(cost(c) for c in calls)
+
+
+def _budget_cost(cost, cache, mc_acc, prompt_width, gen_length, block_length, batch, nodes) -> CostModel:
+    counts = sorted({n for n in range(1, batch * nodes + 1)})
+    return CostModel(counts, [cost(verification_call(cache, mc_acc, prompt_width, gen_length, block_length, n, batch))
+                              for n in counts], "projected")
+
+
+def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch: int, gen_length: int,
+             block_length: int, elem: int, overhead_ms: float, profile=None) -> list[dict]:
+    """Decode `prompts` with every method spec (name, opts) on this machine, recording every call,
+    and project each method's tokens/s on every card. `target`: the ModelConfig the roofline
+    costs; `profile`: a cost-profile path used instead of the roofline."""
+    from .eval import method_config
+
+    mc_acc = model.config
+    width = max(len(p) for p in prompts)
+    batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    rows, decoded = [], {}
+    for name in cards:
+        c = card(name)
+        if profile is not None:
+            from engine.cost import read_profile
+
+            curves = read_profile(profile)
+            cm = CostModel.from_profile(profile, cache, block_length, width, curves)
+
+            def cost(call, cm=cm):
+                return cm.ms(call.rows)
+        else:
+            def cost(call, c=c):
+                return call_ms(target, call, c, elem, overhead_ms)
+        base_tps = None
+        for mname, opts in specs:
+            cfg = method_config(mname, opts, gen_length=gen_length, block_length=block_length, cache=cache)
+            auto = cfg.draft_budget == "auto"
+            key = (mname, json.dumps(opts, sort_keys=True, default=str))
+            if auto or key not in decoded:          # auto chooses per card: decoded again on every card
+                budget_cm = (_budget_cost(cost, cache, mc_acc, width, gen_length, block_length, batch,
+                                          len(cfg.draft_graph())) if auto else None)
+                trace = CallTrace(model)
+                try:
+                    dec = Decoder(model, cfg, cost_model=budget_cm)
+                    results = [r for b in batches for r in dec.generate(b)]
+                finally:
+                    trace.remove()
+                from engine import aggregate
+
+                got = (aggregate(results), trace.calls, dec.budget.chosen if dec.budget is not None else None)
+                if not auto:
+                    decoded[key] = got
+            else:
+                got = decoded[key]
+            agg, calls, chosen = got
+            ms = project(calls, cost)
+            tps = agg["tokens"] / (ms / 1e3)
+            if cfg.spec.graph is None and base_tps is None:
+                base_tps = tps
+            rows.append({
+                "card": name, "card_label": c.label, "hbm_gbps": c.hbm_gbps, "bf16_tflops": c.bf16_tflops,
+                "cost": "profile" if profile is not None else "roofline", "method": cfg.describe(),
+                "cache": cache, "batch": batch, "prompts": len(prompts), "gen_length": gen_length,
+                "block_length": block_length, "tokens": agg["tokens"], "calls": len(calls),
+                "rows_per_call": sum(x.rows for x in calls) / max(len(calls), 1), "tpf": agg["tpf"],
+                "projected_ms_per_call": ms / max(len(calls), 1), "projected_ms": ms,
+                "projected_tokens_per_s": tps,
+                "bandwidth_bound_share": (None if profile is not None else
+                                          sum(bandwidth_bound(target, x, c, elem) for x in calls) / max(len(calls), 1)),
+                "budget_nodes_median": statistics.median(chosen) if chosen else None,
+                "draft_nodes": json.dumps(agg["draft_nodes"]), "accepted_depth": json.dumps(agg["accepted_depth"]),
+            })
+        for r in rows:
+            if r["card"] == name:
+                r["vs_policy"] = r["projected_tokens_per_s"] / base_tps if base_tps else None
+    return rows
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    L = [f"## {TITLE}", "", header, "",
+         "| card | cache | batch | method | tokens | calls | rows/call | TPF | proj. ms/call | proj. tokens/s | "
+         "vs policy | BW-bound calls | budget nodes |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        bw = "-" if r["bandwidth_bound_share"] is None else f"{100 * r['bandwidth_bound_share']:.0f}%"
+        nodes = "-" if r["budget_nodes_median"] is None else f"{r['budget_nodes_median']:g}"
+        vs = "-" if r.get("vs_policy") is None else f"{r['vs_policy']:.2f}x"
+        L.append(f"| {r['card']} | {r['cache']} | {r['batch']} | {r['method']} | {r['tokens']} | {r['calls']} | "
+                 f"{r['rows_per_call']:.2f} | {r['tpf']:.2f} | {r['projected_ms_per_call']:.2f} | "
+                 f"{r['projected_tokens_per_s']:.0f} | {vs} | {bw} | {nodes} |")
+    L += ["", f"*{TITLE}: tokens, calls, rows and TPF were measured by decoding on this machine with the "
+              f"acceptance model; ms and tokens/s are computed, not timed on the card.*"]
+    return "\n".join(L)
+
+
+def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name: str) -> int:
+    """The --simulate mode of bench.speed (args: its parsed command line)."""
+    from models import DTYPES, ModelConfig, Tokenizer, load_model
+
+    from .eval import parse_method
+    from .speed import DEFAULT_SIMULATE_METHODS, checkpoint_prompts, fit_length, shape_config, write_csv
+    from engine.frontend import DEFAULT_MODEL_DIR
+    from engine.config import check_prompts
+
+    cards = list(dict.fromkeys(args.simulate))
+    for name in cards:
+        card(name)
+    if args.cost_curve:
+        raise InputError("--simulate projects from a roofline or --cost-profile; it does not combine with --cost-curve")
+    if args.overhead_ms is not None and (not math.isfinite(args.overhead_ms) or args.overhead_ms < 0):
+        raise InputError(f"--call-overhead-ms must be finite and >= 0, got {args.overhead_ms}")
+    overhead = OVERHEAD_MS if args.overhead_ms is None else args.overhead_ms
+    if args.overhead_ms is not None and args.cost_profile:
+        raise InputError("--call-overhead-ms applies to the roofline, not to a measured --cost-profile")
+    specs = [parse_method(s) for s in (args.methods or DEFAULT_SIMULATE_METHODS)]
+    model_dir = Path(args.model or DEFAULT_MODEL_DIR)
+    from models import CheckpointError
+
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
+    mc_acc = ModelConfig.from_dir(model_dir)
+    target, target_name = (shape_config(args.shape), args.shape) if args.shape else (mc_acc, str(model_dir))
+    if args.cost_profile:
+        from engine.cost import read_profile
+
+        read_profile(args.cost_profile)                  # checked before anything is decoded
+    tok = Tokenizer(model_dir)
+    n = (args.num_prompts or [8])[0]
+    prompts, source = checkpoint_prompts(args, tok, n)
+    prompts = fit_length(prompts, (args.prompt_length or [None])[0])
+    from .eval import method_config
+
+    for gl in args.gen_length:
+        check_prompts(mc_acc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
+        for cache in args.cache:
+            for name, opts in specs:
+                method_config(name, opts, gen_length=gl, block_length=args.block_length, cache=cache)
+    out = Path(args.out) if args.out else Path("runs") / f"simulate-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model(model_dir, dtype=args.dtype, device=str(device))
+    elem = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    t0 = time.perf_counter()
+    rows = []
+    for gl in args.gen_length:
+        for cache in args.cache:
+            for b in args.batch_sizes:
+                rows += simulate(model, specs, prompts, cards, target, cache, b, gl, args.block_length, elem,
+                                 overhead, args.cost_profile)
+    seconds = time.perf_counter() - t0
+    cost_text = (f"measured cost curve {args.cost_profile} (ms of a call of n canvases)" if args.cost_profile else
+                 f"roofline at the {target_name} shape ({target.parameter_count() / 1e9:.2f}B parameters, "
+                 f"{args.dtype}, {elem} bytes per element) + {overhead:g} ms fixed per call")
+    card_text = "; ".join(f"{k}: {CARDS[k].label}, {CARDS[k].hbm_gbps:g} GB/s, {CARDS[k].bf16_tflops:g} TFLOP/s "
+                          f"dense bf16 ({CARDS[k].source})" for k in cards)
+    header = (f"**{TITLE}.** Cost of each call: {cost_text}. Cards: {card_text}.\n\n"
+              f"Calls and acceptance: measured by decoding {len(prompts)} {source} prompts with {model_dir} "
+              f"({mc_acc.parameter_count() / 1e6:.1f}M parameters, {args.dtype}) on {dev_name}, gen length "
+              f"{', '.join(map(str, args.gen_length))}, block {args.block_length} ({seconds:.0f} s). Its acceptance "
+              f"is that model's, not the target's.\n\ncommand: `{command}`")
+    md = markdown(rows, header)
+    (out / "projection.md").write_text(md + "\n", encoding="utf-8")
+    stamp = {"projection": TITLE, "acceptance_device": dev_name, **stamp_versions, "command": command,
+             "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    write_csv(out / "projection.csv", rows, stamp)
+    summary = {"bench": "speed", "mode": "simulate", "projection": TITLE, "out_dir": str(out), "cards":
+               {k: asdict(CARDS[k]) for k in cards}, "cost": cost_text, "acceptance_model": str(model_dir),
+               "acceptance_device": dev_name, **stamp_versions, "command": command,
+               "markdown": str(out / "projection.md"), "csv": str(out / "projection.csv"),
+               "json": str(out / "projection.json")}
+    (out / "projection.json").write_text(json.dumps({**summary, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    print(md)
+    print(json.dumps({**summary, "rows": [{k: r[k] for k in ("card", "method", "cache", "batch", "tokens", "calls",
+                                                              "tpf", "projected_tokens_per_s", "vs_policy")}
+                                          for r in rows]}))
+    return 0
