@@ -45,7 +45,7 @@ def one_error_line(res, msg):
     (["t5", "--temperature", "nan"], "temperature must be finite"),
     (["t5", "--gen-length", "0"], "gen length must be >= 1"),
     (["t5", "--block-length", "0"], "block length must be >= 1"),
-    (["t5", "--method", "confidence", "--steps", "8"], "steps applies to topk and psd, not to confidence"),
+    (["t5", "--method", "confidence", "--steps", "8"], "steps applies to topk, random and psd, not to confidence"),
     (["t5", "--method", "greedy", "--threshold", "0.5"], "threshold applies to"),
     (["t5", "--method", "greedy", "--depth", "2"], "draft depth applies to spiffy and psd, not to greedy"),
     (["t5", "--method", "greedy", "--acceptance", "exact"], "acceptance mode applies to psd"),

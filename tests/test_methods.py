@@ -106,13 +106,13 @@ def test_toy_policy_through_bench_eval(toy, ckpt, tmp_path, capsys):
 
 def test_the_table_is_gone_with_the_entry():
     assert "topfrac" not in METHODS and "frac" not in OPTIONS
-    assert policy_methods() == ("greedy", "topk", "confidence", "localleap")
+    assert policy_methods() == ("greedy", "topk", "confidence", "localleap", "left", "random")
 
 
 def test_options_that_do_not_apply_are_errors():
     for method, opts, msg in [
         ("greedy", {"threshold": 0.5}, "threshold applies to"),
-        ("confidence", {"steps": 8}, "steps applies to topk and psd, not to confidence"),
+        ("confidence", {"steps": 8}, "steps applies to topk, random and psd, not to confidence"),
         ("greedy", {"depth": 2}, "draft depth applies to spiffy and psd, not to greedy"),
         ("greedy", {"acceptance": "exact"}, "acceptance mode applies to psd, not to greedy"),
         ("psd", {"policy_name": "greedy", "threshold": 0.5}, "threshold applies to"),
@@ -135,7 +135,7 @@ def test_every_option_is_described_and_taken_by_someone():
     for o in OPTIONS.values():
         assert o.help and (o.general or methods_taking(o.name)), o.name
     assert set(methods_taking("k")) == {"lopa", "ete", "fdm"}
-    assert set(methods_taking("threshold")) == {"confidence", "localleap", "psd", "lopa", "ete", "fdm"}
+    assert set(methods_taking("threshold")) == {"confidence", "localleap", "left", "psd", "lopa", "ete", "fdm"}
 
 
 def test_decode_config_attributes_are_the_option_table():
