@@ -87,18 +87,23 @@ class Decoder:
                                 temperature=self.dc.temperature, noise=noise)
 
     # ------------------------------------------------------------------ batch and blocks
-    def _new_batch(self, prompts) -> Batch:
-        batch = new_batch(self.mc, prompts, self.dc.gen_length, self.dc.block_length, self.graph.depth,
-                          len(self.graph), self.model.device)
-        if self.policy.random:
-            batch.noise = sequence_noise(prompts, self.dc.seed, self.dc.gen_length).to(self.model.device)
+    def _new_batch(self, prompts, gen_lengths: list[int] | None = None) -> Batch:
+        """A batch of (checked) prompts; `gen_lengths`: one per prompt (default: the config's)."""
+        lengths = gen_lengths or [self.dc.gen_length] * len(prompts)
+        batch = new_batch(self.mc, prompts, lengths, self.dc.block_length, self.graph.depth, len(self.graph),
+                          self.model.device)
+        if self.policy.random:           # each sequence's draw at its generated positions
+            P, G = batch.prompt_width, max(lengths)
+            batch.noise = torch.zeros(batch.x.shape, device=self.model.device)
+            batch.noise[:, P:P + G] = sequence_noise(prompts, self.dc.seed, G).to(self.model.device)
         return batch
 
-    def _open_block(self, batch: Batch, index: int) -> BlockRun | None:
-        """The rows that still generate and whose block is not complete (ETE may have filled it),
-        after the block's first call; None if there are none."""
+    def _open_block(self, batch: Batch) -> BlockRun | None:
+        """The rows that still generate and whose block (at the batch's cursor) is not complete
+        (ETE may have filled it), after the block's first call; None if there are none."""
         L, P, N = self.dc.block_length, batch.prompt_width, batch.x.shape[1]
-        lo = P + index * L
+        lo = batch.cursor
+        index = (lo - P) // L                    # the block index of the batch's first rows
         width = min(self.dc.window_blocks * L, N - lo)                     # the block, or ETE's blocks
         win = Window(P, L, lo, width, L if self.dc.cross_block and lo + width < N else 0)
         todo = (batch.stop_at < 0) & (batch.x[:, lo:lo + L] == self.mc.mask_token_id).any(-1)
@@ -107,8 +112,8 @@ class Decoder:
             return None
         x, valid, pos = batch.x[seqs], batch.valid[seqs], batch.pos[seqs]
         pred, conf, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win)
-        S, g0, dev = seqs.numel(), lo - P, x.device
-        span = slice(g0, g0 + win.width + win.ahead)            # --cross-block: drafts reach the next block
+        S, dev = seqs.numel(), x.device
+        span = slice(lo, lo + win.width + win.ahead)            # --cross-block: drafts reach the next block
 
         def zeros(dtype=torch.long):
             return torch.zeros(S, dtype=dtype, device=dev)
@@ -118,6 +123,7 @@ class Decoder:
             calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
             pending=zeros(torch.bool) | True, commit_call=batch.commit_call[seqs, span],
             commit_step=batch.commit_step[seqs, span], commit_source=batch.commit_source[seqs, span],
+            commit_prob=batch.commit_prob[seqs, span],
             depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
             nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
             carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
@@ -139,14 +145,14 @@ class Decoder:
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
         if (run.failed > 0).any():                                           # one read per block
             raise_failure(run)
-        seqs, span = run.seqs, slice(run.gen_start, run.gen_start + run.win.width + run.win.ahead)
+        seqs, span = run.seqs, slice(run.win.lo, run.win.lo + run.win.width + run.win.ahead)
         if self.budget is not None:          # what this block's plan yielded: tokens, verification calls
             tokens = (run.commit_call >= 0).sum() - (batch.commit_call[seqs, span] >= 0).sum()
             self.budget.observe_block(run.plan, tokens, run.nodes_hist.sum() - batch.nodes_hist[seqs].sum())
         batch.x[seqs] = run.x
         batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls, run.rows, run.stop_at
         batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call, run.commit_step
-        batch.commit_source[seqs, span] = run.commit_source
+        batch.commit_source[seqs, span], batch.commit_prob[seqs, span] = run.commit_source, run.commit_prob
         batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist, run.nodes_hist
         if self.dc.cross_block:
             carry_over(batch, run)
@@ -165,6 +171,7 @@ class Decoder:
         run.x[:, run.win.lo:run.win.hi] = torch.where(commit, run.pred, blk)
         run.commit_call[:, :W] = torch.where(commit, run.calls[:, None], run.commit_call[:, :W])
         run.commit_step[:, :W] = torch.where(commit, run.step[:, None], run.commit_step[:, :W])
+        run.commit_prob[:, :W] = torch.where(commit, run.conf.double(), run.commit_prob[:, :W])
         run.step = run.step + run.pending.long()
         masked_after = apply_stopping(run, self.stop_ids, self.mc.mask_token_id)
         guard_progress(run, was_pending, masked, masked_after, may_idle)
@@ -231,6 +238,8 @@ class Decoder:
         run.commit_call[act] = torch.where(kept_in, run.calls[act, None], run.commit_call[act])
         run.commit_step[act] = torch.where(kept_in, first_step, run.commit_step[act])
         run.commit_source[act] = torch.where(kept_in, 1, run.commit_source[act])
+        drafted_conf = run.conf[act] if E == W else torch.cat((run.conf[act], run.ahead_conf[act].to(run.conf.dtype)), -1)
+        run.commit_prob[act] = torch.where(kept_in, drafted_conf.double(), run.commit_prob[act])   # the drafting output's
         run.depth_hist[act] = run.depth_hist[act].scatter_add(1, run.plan.node_size[best][:, None],
                                                               torch.ones_like(best)[:, None])
         run.nodes_hist[act, K] += 1
@@ -245,14 +254,26 @@ class Decoder:
             apply_stopping(run, self.stop_ids, self.mc.mask_token_id, act)
 
     # ------------------------------------------------------------------ the loop
-    def _decode(self, batch: Batch):
-        """Runs the loop over `batch`, yielding (batch, the open block) after every model call."""
-        for index in range(self.dc.num_blocks):
-            run = self._open_block(batch, index)
+    def _decode(self, batch: Batch, between=None):
+        """Runs the loop over `batch`, yielding (batch, the open block) after every model call.
+        `between(batch) -> batch or None`, if given, is called at every block boundary, before the
+        block at the cursor opens: it may let finished rows leave and new rows join (engine.live,
+        continuous batching; the batch it returns keeps every row's block aligned to the cursor),
+        or end the loop (None)."""
+        while True:
+            if between is not None:
+                batch = between(batch)
+                if batch is None:
+                    return
+            if batch.cursor >= batch.end:
+                return
+            run = self._open_block(batch)
             if run is None:
-                if not (batch.stop_at < 0).any():
-                    break
+                batch.cursor += self.dc.block_length
+                if between is None and not (batch.stop_at < 0).any():
+                    return
                 continue
+            index = run.index
             yield batch, run
             while True:
                 masked = self._commit(run)
@@ -267,6 +288,7 @@ class Decoder:
                 self._verify(run, act, *self._draft(run, act, masked))
                 yield batch, run
             self._close_block(batch, run)
+            batch.cursor += self.dc.block_length
 
     def stream(self, prompts):
         """Decode like `generate`, yielding a `StreamUpdate` after every model call: per sequence,

@@ -10,12 +10,15 @@ from .state import BlockRun
 NONFINITE, NO_PROGRESS = 1, 2
 
 
-def stopped_at(blk: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor):
+def stopped_at(blk: torch.Tensor, masked: torch.Tensor, stop_ids: torch.Tensor, valid: torch.Tensor | None = None):
     """(stopped [R] bool, first stop position in the window [R]): a stop token is committed with
-    nothing masked before it."""
+    nothing masked before it (`valid`: the row's own positions; padding after a shorter row's
+    generation in a live batch is not a token of it)."""
     W = blk.shape[1]
     idx = torch.arange(W, device=blk.device)
     is_stop = torch.isin(blk, stop_ids) & ~masked
+    if valid is not None:
+        is_stop &= valid
     first = torch.where(is_stop, idx, W).min(-1).values
     masked_before = (masked & (idx < first[:, None])).any(-1)
     return (first < W) & ~masked_before, first
@@ -26,9 +29,9 @@ def apply_stopping(run: BlockRun, stop_ids: torch.Tensor, mask_id: int, rows=sli
     while its block has masked positions. Returns the rows' masks [R, W]."""
     blk = run.block(rows)
     masked = blk == mask_id
-    stopped, first = stopped_at(blk, masked, stop_ids)
+    stopped, first = stopped_at(blk, masked, stop_ids, run.valid[rows, run.win.lo:run.win.hi])
     stopped &= run.pending[rows]
-    run.stop_at[rows] = torch.where(stopped, run.gen_start + first, run.stop_at[rows])
+    run.stop_at[rows] = torch.where(stopped, run.win.lo + first, run.stop_at[rows])     # a canvas column
     run.pending[rows] = run.pending[rows] & ~stopped & masked[:, :run.win.block_length].any(-1)
     return masked
 

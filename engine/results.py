@@ -20,6 +20,8 @@ class SequenceResult:
     commit_call: list[int]        # per generated token: index (1-based) of the call whose output committed it
     commit_step: list[int]        # per generated token: step inside its block (0-based)
     commit_source: list[int]      # per generated token: 0 = stage 1, 1 = an accepted draft
+    commit_prob: list[float]      # per generated token: its confidence in the output that committed it (its
+                                  # probability with --score prob, the default; untempered when sampled)
     commit_block: list[int]       # per generated token: its block index
     accepted_depth: dict[int, int] = field(default_factory=dict)  # |S_k*| of the kept node per verification call
     draft_nodes: dict[int, int] = field(default_factory=dict)     # graph nodes verified (root incl.) per such call
@@ -27,7 +29,8 @@ class SequenceResult:
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("text", "token_ids", "calls", "tokens", "tpf", "seconds", "rows_per_call",
-                                           "stopped", "commit_call", "commit_step", "commit_source", "commit_block")}
+                                           "stopped", "commit_call", "commit_step", "commit_source", "commit_block",
+                                           "commit_prob")}
         d["accepted_depth"] = {str(k): v for k, v in sorted(self.accepted_depth.items())}
         d["draft_nodes"] = {str(k): v for k, v in sorted(self.draft_nodes.items())}
         return d
@@ -62,38 +65,56 @@ def aggregate(results: list[SequenceResult]) -> dict:
             "stopped": sum(r.stopped for r in results)}
 
 
-def collect_results(batch, block_length: int, seconds: float) -> list[SequenceResult]:
-    """One SequenceResult per row of a decoded batch (engine.state.Batch), read back once."""
-    P = batch.prompt_width
-    gen, calls, rows, stop_at = batch.x[:, P:].cpu(), batch.calls.cpu(), batch.rows.cpu(), batch.stop_at.cpu()
-    c_call, c_step, c_src = batch.commit_call.cpu(), batch.commit_step.cpu(), batch.commit_source.cpu()
-    depth_hist, nodes_hist = batch.depth_hist.cpu(), batch.nodes_hist.cpu()
+def collect_results(batch, block_length: int, seconds, rows=None) -> list[SequenceResult]:
+    """One SequenceResult per row of a decoded batch (engine.state.Batch), read back once; `rows`:
+    only these rows (default all); `seconds`: one wall time for all, or one per row."""
+    rows = list(range(batch.x.shape[0])) if rows is None else list(rows)
+    idx = torch.tensor(rows, dtype=torch.long, device=batch.x.device)
+    x, start, length = batch.x[idx].cpu(), batch.gen_start[idx].tolist(), batch.gen_len[idx].tolist()
+    calls, n_rows, stop_at = batch.calls[idx].tolist(), batch.rows[idx].tolist(), batch.stop_at[idx].tolist()
+    c_call, c_step, c_src = batch.commit_call[idx].cpu(), batch.commit_step[idx].cpu(), batch.commit_source[idx].cpu()
+    c_prob = batch.commit_prob[idx].cpu()
+    depth_hist, nodes_hist = batch.depth_hist[idx].tolist(), batch.nodes_hist[idx].tolist()
+    secs = seconds if isinstance(seconds, (list, tuple)) else [seconds] * len(rows)
     out = []
-    for b in range(gen.shape[0]):
-        n = int(stop_at[b]) + 1 if stop_at[b] >= 0 else gen.shape[1]
-        ncall = int(calls[b])
+    for b in range(len(rows)):
+        g0 = start[b]
+        n = stop_at[b] - g0 + 1 if stop_at[b] >= 0 else length[b]
+        span = slice(g0, g0 + n)
+        ncall = calls[b]
         out.append(SequenceResult(
-            token_ids=gen[b, :n].tolist(), calls=ncall, tokens=n, tpf=n / max(ncall, 1), seconds=seconds,
-            rows_per_call=int(rows[b]) / max(ncall, 1), stopped=bool(stop_at[b] >= 0),
-            commit_call=c_call[b, :n].tolist(), commit_step=c_step[b, :n].tolist(),
-            commit_source=c_src[b, :n].tolist(), commit_block=[i // block_length for i in range(n)],
-            accepted_depth={d: int(c) for d, c in enumerate(depth_hist[b].tolist()) if c},
-            draft_nodes={n: int(c) for n, c in enumerate(nodes_hist[b].tolist()) if c}))
+            token_ids=x[b, span].tolist(), calls=ncall, tokens=n, tpf=n / max(ncall, 1), seconds=secs[b],
+            rows_per_call=n_rows[b] / max(ncall, 1), stopped=stop_at[b] >= 0,
+            commit_call=c_call[b, span].tolist(), commit_step=c_step[b, span].tolist(),
+            commit_source=c_src[b, span].tolist(), commit_prob=c_prob[b, span].tolist(), commit_block=[i // block_length for i in range(n)],
+            accepted_depth={d: int(c) for d, c in enumerate(depth_hist[b]) if c},
+            draft_nodes={k: int(c) for k, c in enumerate(nodes_hist[b]) if c}))
     return out
+
+
+def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [B, N] with the open block's rows written in, final length [B]): per row, the count of
+    its generated tokens that are final now, up to its first masked position or its stop token."""
+    x, stop_at = batch.x.clone(), batch.stop_at.clone()
+    x[run.seqs], stop_at[run.seqs] = run.x, run.stop_at    # the open block's rows
+    N = x.shape[1]
+    col = torch.arange(N, device=x.device)
+    gen = (col >= batch.gen_start[:, None]) & (col < (batch.gen_start + batch.gen_len)[:, None])
+    first_masked = torch.where(gen & (x == mask_id), col, N).min(-1).values
+    end = torch.minimum(first_masked, batch.gen_start + batch.gen_len)
+    end = torch.where(stop_at >= 0, torch.minimum(end, stop_at + 1), end)
+    return x, end - batch.gen_start
 
 
 def final_pieces(batch, run, mask_id: int, sent: list[int]) -> list[list[int]]:
     """Tokens of every sequence that are final now and were not sent yet (updates `sent`): the
     generation up to its first masked position, or up to its stop token. Reads back [B] lengths
     and the new tokens (streaming only; generate never calls this)."""
-    P = batch.prompt_width
-    gen, stop_at = batch.x[:, P:].clone(), batch.stop_at.clone()
-    gen[run.seqs], stop_at[run.seqs] = run.x[:, P:], run.stop_at    # the open block's rows
-    G = gen.shape[1]
-    first_masked = torch.where(gen == mask_id, torch.arange(G, device=gen.device), G).min(-1).values
-    final = torch.where(stop_at >= 0, torch.minimum(first_masked, stop_at + 1), first_masked).tolist()
+    x, final = final_lengths(batch, run, mask_id)
+    final, start = torch.stack((final, batch.gen_start)).tolist()      # one read
     pieces = []
     for b, n in enumerate(final):
-        pieces.append(gen[b, sent[b]:n].tolist() if n > sent[b] else [])
+        g0 = start[b]
+        pieces.append(x[b, g0 + sent[b]:g0 + n].tolist() if n > sent[b] else [])
         sent[b] = max(sent[b], n)
     return pieces

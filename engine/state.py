@@ -1,6 +1,7 @@
 """The state the loop carries between model calls: the whole batch, and the rows of one block."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -12,25 +13,98 @@ from .cache import Window
 
 @dataclass
 class Batch:
-    """The canvas of every sequence and its running statistics (on the model's device)."""
+    """The canvas of every sequence and its running statistics (on the model's device).
 
-    x: torch.Tensor                # [B, N] left-padded prompts, then the generation
-    valid: torch.Tensor            # [B, N] False at left padding
+    Every per-position tensor is in canvas columns. Rows may have started at different times
+    (`engine.live`: continuous batching) and want different lengths, but their block boundaries
+    are aligned: every row's generation starts at a column congruent to `prompt_width` modulo the
+    block length, so one block column (`cursor`) is every row's current block, whatever its index."""
+
+    x: torch.Tensor                # [B, N] left-padded prompts, then the generation, then right padding
+    valid: torch.Tensor            # [B, N] False at padding (left and right)
     pos: torch.Tensor              # [B, N] position ids
-    prompt_width: int              # P: canvas index where generation starts
+    prompt_width: int              # P: the batch's block grid (block 0 of its first rows starts here)
+    gen_start: torch.Tensor        # [B] column of each row's first generated position
+    gen_len: torch.Tensor          # [B] positions each row generates
+    cursor: int                    # column of the next block to decode
     calls: torch.Tensor            # [B] model calls each sequence took part in
     rows: torch.Tensor             # [B] canvases evaluated for it (drafts count)
-    stop_at: torch.Tensor          # [B] generation index of the stop token, -1 while none
-    commit_call: torch.Tensor      # [B, G] per generated token: the call that committed it
-    commit_step: torch.Tensor      # [B, G] its step inside the block
-    commit_source: torch.Tensor    # [B, G] 0 = stage 1, 1 = an accepted draft
+    stop_at: torch.Tensor          # [B] column of the stop token, -1 while none
+    commit_call: torch.Tensor      # [B, N] per generated position: the call that committed it (-1: none)
+    commit_step: torch.Tensor      # [B, N] its step inside the block
+    commit_source: torch.Tensor    # [B, N] 0 = stage 1, 1 = an accepted draft
+    commit_prob: torch.Tensor      # [B, N] float64: its confidence in the output that committed it
     depth_hist: torch.Tensor       # [B, D + 1] accepted depth per verification call
     nodes_hist: torch.Tensor       # [B, K + 1] graph nodes verified per verification call (draft budget)
     carry_pred: torch.Tensor       # [B, L] --cross-block: the next block's prediction by the call that
     carry_conf: torch.Tensor       # [B, L]   completed this one (a kept draft), valid where carry_ok
     carry_ok: torch.Tensor         # [B] bool
     carry_step: torch.Tensor       # [B] the step inside the next block its kept draft reached
-    noise: torch.Tensor | None = None   # [B, G] a random policy's draw per generated position (Policy.random)
+    noise: torch.Tensor | None = None   # [B, N] a random policy's draw per generated position (Policy.random)
+    pad_id: int = 0                # the token at padded columns (never the mask id)
+
+    @property
+    def end(self) -> int:
+        """One past the last column any row generates."""
+        return self.x.shape[1]
+
+    # ---------------------------------------------------------------- rows leave and join (engine.live)
+    def _columns(self):
+        """(name, value at a padded column) of every [B, N] tensor."""
+        return (("x", self.pad_id), ("valid", False), ("commit_call", -1), ("commit_step", -1),
+                ("commit_source", 0), ("commit_prob", 0.0), ("noise", 0.0))
+
+    def _rows(self):
+        return ("gen_start", "gen_len", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
+                "carry_conf", "carry_ok", "carry_step")
+
+    def take(self, rows: torch.Tensor) -> "Batch":
+        """The batch of these rows only (same columns)."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in self._rows() + tuple(n for n, _ in self._columns()):
+            v = getattr(self, name)
+            kw[name] = None if v is None else v[rows]
+        return Batch(**kw)
+
+    def shift(self, left: int, right: int, position_ids) -> "Batch":
+        """The same rows with `left` padded columns added before the first (removed if negative)
+        and `right` after the last; every column index moves with them. `position_ids(valid)`
+        recomputes the positions."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        B, N = self.x.shape
+        for name, fill in self._columns():
+            v = getattr(self, name)
+            if v is None:
+                continue
+            v = v[:, max(0, -left):N - max(0, -right)]
+            parts = [v.new_full((B, max(0, left)), fill), v, v.new_full((B, max(0, right)), fill)]
+            kw[name] = torch.cat(parts, 1)
+        kw["gen_start"] = self.gen_start + left
+        kw["stop_at"] = torch.where(self.stop_at >= 0, self.stop_at + left, self.stop_at)
+        kw["cursor"], kw["prompt_width"] = self.cursor + left, self.prompt_width + left
+        kw["pos"] = position_ids(kw["valid"])
+        return Batch(**kw)
+
+    def trimmed(self, position_ids) -> "Batch":
+        """Without the columns before every row's first valid one and after every row's last
+        generated one (a running batch does not grow without bound)."""
+        first = int(torch.where(self.valid.any(0))[0].min()) if self.valid.any() else 0
+        last = int((self.gen_start + self.gen_len).max())
+        first = min(first, self.cursor)
+        return self.shift(-first, -(self.x.shape[1] - last), position_ids)
+
+
+def join(a: Batch, b: Batch, position_ids) -> Batch:
+    """The rows of `a` and then of `b`, aligned so that both cursors are one column: the block
+    each row decodes next starts there (a row of `b` is at its first block)."""
+    da, db = max(0, b.cursor - a.cursor), max(0, a.cursor - b.cursor)
+    na, nb = a.x.shape[1] + da, b.x.shape[1] + db
+    a, b = a.shift(da, max(0, nb - na), position_ids), b.shift(db, max(0, na - nb), position_ids)
+    kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}
+    for name in a._rows() + tuple(n for n, _ in a._columns()) + ("pos",):
+        va, vb = getattr(a, name), getattr(b, name)
+        kw[name] = None if va is None else torch.cat((va, vb.to(va.dtype)))
+    return Batch(**kw)
 
 
 @dataclass
@@ -50,11 +124,12 @@ class BlockRun:
     calls: torch.Tensor            # [S] running totals, as in Batch
     rows: torch.Tensor
     step: torch.Tensor             # [S] step index inside the block
-    stop_at: torch.Tensor          # [S]
+    stop_at: torch.Tensor          # [S] column of the stop token, -1 while none
     pending: torch.Tensor          # [S] still needs a call on this block
     commit_call: torch.Tensor      # [S, W + ahead] (--cross-block: drafts reach the next block)
     commit_step: torch.Tensor
     commit_source: torch.Tensor
+    commit_prob: torch.Tensor
     depth_hist: torch.Tensor       # [S, D + 1]
     failed: torch.Tensor           # [S] 0, or why the row stopped making progress (engine.progress.guard_progress)
     failed_call: torch.Tensor      # [S] the call whose output it could not use, -1 while none
@@ -67,32 +142,31 @@ class BlockRun:
     ahead_ok: torch.Tensor | None = None     # [S] bool: ahead_* hold the latest output's next block
     noise: torch.Tensor | None = None        # [S, W + ahead] a random policy's draw (Batch.noise)
 
-    @property
-    def gen_start(self) -> int:
-        """Generation index of the window's first position."""
-        return self.win.lo - self.win.prompt_width
-
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
 
 
-def new_batch(mc, prompts: list[list[int]], gen_length: int, block_length: int, depth: int, nodes: int,
-              device) -> Batch:
-    """Prompts left-padded to one width, then `gen_length` masks; every statistic at zero."""
-    G, B, P = gen_length, len(prompts), max(len(p) for p in prompts)
+def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_length: int, depth: int,
+              nodes: int, device) -> Batch:
+    """Prompts left-padded to one width, then `gen_length` masks (one length, or one per prompt:
+    shorter ones are right-padded); every statistic at zero."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    lengths = [gen_length] * B if isinstance(gen_length, int) else list(gen_length)
+    G = max(lengths)
     pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
     x = torch.full((B, P + G), pad, dtype=torch.long, device=device)
     valid = torch.zeros(B, P + G, dtype=torch.bool, device=device)
-    for b, p in enumerate(prompts):
+    for b, (p, g) in enumerate(zip(prompts, lengths)):
         x[b, P - len(p):P] = torch.tensor(p, device=device)
-        valid[b, P - len(p):] = True
-    x[:, P:] = mc.mask_token_id
+        x[b, P:P + g] = mc.mask_token_id
+        valid[b, P - len(p):P + g] = True
 
     def zeros(*shape, dtype=torch.long):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    return Batch(x=x, valid=valid, pos=position_ids(mc, valid), prompt_width=P, calls=zeros(B), rows=zeros(B),
-                 stop_at=zeros(B) - 1, commit_call=zeros(B, G) - 1, commit_step=zeros(B, G) - 1,
-                 commit_source=zeros(B, G), depth_hist=zeros(B, depth + 1), nodes_hist=zeros(B, nodes + 1),
+    return Batch(x=x, valid=valid, pos=position_ids(mc, valid), prompt_width=P, gen_start=zeros(B) + P,
+                 gen_len=torch.tensor(lengths, device=device), cursor=P, calls=zeros(B), rows=zeros(B),
+                 stop_at=zeros(B) - 1, commit_call=zeros(B, P + G) - 1, commit_step=zeros(B, P + G) - 1,
+                 commit_source=zeros(B, P + G), commit_prob=zeros(B, P + G, dtype=torch.float64), depth_hist=zeros(B, depth + 1), nodes_hist=zeros(B, nodes + 1),
                  carry_pred=zeros(B, block_length), carry_conf=zeros(B, block_length, dtype=torch.float32),
-                 carry_ok=zeros(B, dtype=torch.bool), carry_step=zeros(B))
+                 carry_ok=zeros(B, dtype=torch.bool), carry_step=zeros(B), pad_id=pad)

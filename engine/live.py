@@ -1,0 +1,170 @@
+"""Continuous batching: sequences join a running batch at block boundaries and leave it when they
+are done or cancelled (docs/loop.md, "Continuous batching").
+
+The decoding loop is the one loop (`Decoder._decode`); between two blocks it hands the batch to
+`LiveBatch._between`, which takes out the rows that finished (their results are final) or were
+cancelled, and lets waiting sequences in. Rows keep their own block index: the batch is laid out
+so that every row's next block starts at one column, the batch's cursor (a joining sequence's
+prompt ends there; `engine.state.join` pads whichever side is shorter), so one block window
+serves every row whatever its progress, and every method and cache mode runs unchanged. Each
+block is its own unit in the loop (its first call builds its cache; only `--cross-block` carries
+state, per row, to the next), so a sequence decodes as it would alone: at temperature 0 its
+tokens are those of a single-request run.
+
+    live = LiveBatch(Decoder(model, config), max_rows=32)
+    h = live.add(prompt_ids)                  # joins at the next block boundary
+    while (update := live.step()) is not None:     # one model call per step
+        update.pieces.get(h)                  # tokens that became final with that call
+        update.done.get(h)                    # its SequenceResult, once it is done
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from models import position_ids
+
+from .config import check_prompts
+from .errors import InputError
+from .results import SequenceResult, collect_results, final_lengths
+from .state import Batch, join
+
+
+@dataclass
+class LiveUpdate:
+    """What one `LiveBatch.step` did: per handle, the tokens that became final, and the results of
+    the sequences that ended (a cancelled sequence ends without a result)."""
+
+    pieces: dict[int, list[int]] = field(default_factory=dict)
+    done: dict[int, SequenceResult] = field(default_factory=dict)
+    rows: int = 0                       # sequences in the batch during this call
+
+
+class LiveBatch:
+    """A running batch over one `Decoder`: `add` queues a sequence, `step` runs one model call."""
+
+    def __init__(self, decoder, max_rows: int | None = None):
+        if max_rows is not None and max_rows < 1:
+            raise InputError(f"max_rows must be >= 1, got {max_rows}")
+        self.dec, self.max_rows = decoder, max_rows
+        self.waiting: list[tuple[int, list[int], int]] = []      # (handle, prompt ids, gen length)
+        self.handles: list[int] = []                             # the batch's rows, in order
+        self.sent: dict[int, int] = {}                           # tokens of a handle already handed out
+        self.joined: dict[int, float] = {}
+        self.cancelled: set[int] = set()
+        self._ids = itertools.count()
+        self._batch: Batch | None = None
+        self._loop = None
+        self._ended: LiveUpdate = LiveUpdate()                   # what the last block boundary ended
+
+    # ------------------------------------------------------------------ the caller's side
+    def add(self, prompt_ids, gen_length: int | None = None) -> int:
+        """Queue one sequence (token ids); it joins at the next block boundary. Checked now: an
+        InputError for a bad prompt or length."""
+        dc = self.dec.dc
+        g = dc.gen_length if gen_length is None else gen_length
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g % dc.block_length:
+            raise InputError(f"gen length {g!r} must be a positive multiple of the block length {dc.block_length}")
+        ids = check_prompts(self.dec.mc, _Length(g), [prompt_ids])[0]
+        handle = next(self._ids)
+        self.waiting.append((handle, ids, g))
+        return handle
+
+    def cancel(self, handle: int) -> None:
+        """Stop decoding `handle`: it leaves the batch at the next block boundary (a waiting one
+        never joins); no result is reported for it."""
+        if any(h == handle for h, _, _ in self.waiting):
+            self.waiting = [w for w in self.waiting if w[0] != handle]
+        elif handle in self.handles:
+            self.cancelled.add(handle)
+
+    @property
+    def running(self) -> int:
+        return len(self.handles)
+
+    @property
+    def idle(self) -> bool:
+        return not self.handles and not self.waiting
+
+    @torch.no_grad()
+    def step(self) -> LiveUpdate | None:
+        """Run the loop up to its next model call and report what became final; None when there
+        is nothing to decode (no running and no waiting sequence)."""
+        if self._loop is None:
+            if not self.waiting:
+                return None
+            self._loop = self.dec._decode(self._empty(), between=self._between)
+        try:
+            batch, run = next(self._loop)
+        except StopIteration:
+            self._loop, self._batch = None, None
+            update, self._ended = self._ended, LiveUpdate()
+            return update
+        update, self._ended = self._ended, LiveUpdate()
+        update.rows = len(self.handles)
+        x, final = final_lengths(batch, run, self.dec.mc.mask_token_id)
+        final, start = torch.stack((final, batch.gen_start)).tolist()        # one read
+        for b, h in enumerate(self.handles):
+            n, sent = final[b], self.sent[h]
+            if n > sent and h not in self.cancelled:
+                update.pieces[h] = x[b, start[b] + sent:start[b] + n].tolist()
+                self.sent[h] = n
+        return update
+
+    # ------------------------------------------------------------------ the loop's side
+    def _empty(self) -> Batch | None:
+        return None
+
+    def _between(self, batch: Batch | None) -> Batch | None:
+        """At a block boundary: finished and cancelled rows leave, waiting sequences join."""
+        now = time.perf_counter()
+        if batch is not None and self.handles:
+            batch = self._leave(batch, now)
+        room = len(self.waiting) if self.max_rows is None else self.max_rows - len(self.handles)
+        if room > 0 and self.waiting:
+            joining, self.waiting = self.waiting[:room], self.waiting[room:]
+            new = self.dec._new_batch([p for _, p, _ in joining], [g for _, _, g in joining])
+            pos = lambda valid: position_ids(self.dec.mc, valid)     # noqa: E731
+            batch = new if batch is None else join(batch, new, pos).trimmed(pos)
+            for h, _, _ in joining:
+                self.handles.append(h)
+                self.sent[h], self.joined[h] = 0, now
+        self._batch = batch
+        return batch if self.handles else None
+
+    def _leave(self, batch: Batch, now: float) -> Batch | None:
+        """Collect the rows that are done (a stop token, or no block left) and drop those and the
+        cancelled ones; returns the remaining rows, trimmed, or None."""
+        done = ((batch.stop_at >= 0) | (batch.gen_start + batch.gen_len <= batch.cursor)).tolist()
+        out = [b for b, h in enumerate(self.handles) if done[b] or h in self.cancelled]
+        if not out:
+            return batch
+        finished = [b for b in out if self.handles[b] not in self.cancelled]
+        if finished:
+            secs = [now - self.joined[self.handles[b]] for b in finished]
+            for b, res in zip(finished, collect_results(batch, self.dec.dc.block_length, secs, rows=finished)):
+                h = self.handles[b]
+                rest = res.token_ids[self.sent[h]:]
+                if rest:
+                    self._ended.pieces[h] = self._ended.pieces.get(h, []) + rest
+                self._ended.done[h] = res
+        keep = [b for b in range(len(self.handles)) if b not in set(out)]
+        for b in out:
+            h = self.handles[b]
+            self.sent.pop(h, None), self.joined.pop(h, None)
+            self.cancelled.discard(h)
+        self.handles = [self.handles[b] for b in keep]
+        if not keep:
+            return None
+        pos = lambda valid: position_ids(self.dec.mc, valid)     # noqa: E731
+        return batch.take(torch.tensor(keep, device=batch.x.device)).trimmed(pos)
+
+
+class _Length:
+    """The one field of a DecodeConfig that `check_prompts` reads, for a per-sequence length."""
+
+    def __init__(self, gen_length: int):
+        self.gen_length = gen_length

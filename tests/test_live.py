@@ -1,0 +1,144 @@
+"""Continuous batching (engine.live.LiveBatch): sequences join a running batch at block boundaries
+and leave when done or cancelled; each decodes exactly as it would alone (float64, temperature 0)
+for every method family and cache mode, and the streamed pieces are its tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import DecodeConfig, Decoder, InputError
+from engine.live import LiveBatch
+from models import ModelConfig, init_random
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [30, 31]]
+G, L = 32, 8
+# (prompt index, gen length, the step at which it is added): joins mid-block are queued to the next boundary
+SCHEDULE = [(0, 32, 0), (1, 32, 2), (2, 16, 5), (3, 32, 6), (4, 24, 9)]
+
+CASES = [
+    dict(method="greedy"),
+    dict(method="psd", policy_name="confidence", depth=3),
+    dict(method="psd", policy_name="random", depth=2),
+    dict(method="psd", policy_name="topk", steps=16, acceptance="exact", depth=3),
+    dict(method="ete"),
+    dict(method="lopa"),
+    dict(method="confidence", cache="dual"),
+    dict(method="psd", policy_name="left", depth=3, cache="prefix"),
+]
+
+
+@pytest.fixture(scope="module", params=["llada", "dream", "pangu"])
+def model(request):
+    cfg = ModelConfig.tiny(request.param, vocab_size=64, mask_token_id=63, eos_token_id=62)
+    return init_random(cfg, seed=5, std=0.5).double()
+
+
+def _run_live(dec, schedule, max_rows=None, cancel=None):
+    """Feed the schedule into a LiveBatch; returns (results by prompt index, pieces, done order, rows seen)."""
+    live = LiveBatch(dec, max_rows=max_rows)
+    handle_of, pieces, done, order, rows = {}, {}, {}, [], []
+    pending = sorted(schedule, key=lambda s: s[2])
+    step = 0
+    while True:
+        while pending and pending[0][2] <= step:
+            i, g, _ = pending.pop(0)
+            handle_of[live.add(PROMPTS[i], gen_length=g)] = i
+        if cancel is not None and step == cancel[1]:
+            live.cancel(next(h for h, i in handle_of.items() if i == cancel[0]))
+        update = live.step()
+        if update is None:
+            if not pending:
+                break
+            step += 1
+            continue
+        rows.append(update.rows)
+        step += 1
+        for h, p in update.pieces.items():
+            pieces.setdefault(handle_of[h], []).extend(p)
+        for h, r in update.done.items():
+            done[handle_of[h]] = r
+            order.append(handle_of[h])
+    return done, pieces, order, rows, live
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_each_sequence_decodes_as_it_would_alone(model, case):
+    if case.get("cache") == "prefix" and model.config.attention != "context_causal":
+        case = {**case, "cache": "dual"}
+    dec = Decoder(model, DecodeConfig(gen_length=G, block_length=L, **case))
+    done, pieces, _, rows, _ = _run_live(dec, SCHEDULE, max_rows=3)
+    assert sorted(done) == list(range(len(SCHEDULE)))
+    assert max(rows) <= 3 and max(rows) >= 2                     # rows were batched together, never more than 3
+    for i, g, _ in SCHEDULE:
+        # a sequence of its own length keeps the decoder's steps per block (topk's schedule is per block)
+        own = {**case, "steps": case["steps"] * g // G} if "steps" in case else case
+        alone = Decoder(model, DecodeConfig(gen_length=g, block_length=L, **own)).generate([PROMPTS[i]])[0]
+        got = done[i]
+        assert (got.token_ids, got.calls, got.commit_call, got.commit_step, got.commit_source) == \
+            (alone.token_ids, alone.calls, alone.commit_call, alone.commit_step, alone.commit_source), (i, case)
+        assert got.commit_prob == pytest.approx(alone.commit_prob, abs=1e-5)      # float32 confidences
+        assert pieces.get(i, []) == got.token_ids
+
+
+def test_cross_block_drafts_in_a_live_batch(model):
+    if model.config.attention != "bidirectional":
+        pytest.skip("--cross-block needs a bidirectional model")
+    case = dict(method="psd", policy_name="confidence", depth=3, cross_block=True)
+    dec = Decoder(model, DecodeConfig(gen_length=G, block_length=L, **case))
+    done, _, _, _, _ = _run_live(dec, SCHEDULE)
+    for i, g, _ in SCHEDULE:
+        alone = Decoder(model, DecodeConfig(gen_length=g, block_length=L, **case)).generate([PROMPTS[i]])[0]
+        assert (done[i].token_ids, done[i].calls) == (alone.token_ids, alone.calls)
+
+
+def test_a_late_short_request_finishes_before_an_earlier_long_one():
+    m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5,
+                    std=0.02)       # quiet: nothing stops early, so lengths decide
+    dec = Decoder(m, DecodeConfig(method="greedy", gen_length=64, block_length=8))
+    done, _, order, _, _ = _run_live(dec, [(0, 64, 0), (1, 8, 3)])
+    assert order == [1, 0]
+    assert done[1].tokens == 8 and done[0].tokens == 64
+
+
+def test_cancelled_sequence_leaves_and_the_others_are_unchanged(model):
+    case = dict(method="psd", policy_name="confidence", depth=3)
+    dec = Decoder(model, DecodeConfig(gen_length=G, block_length=L, **case))
+    done, _, _, _, live = _run_live(dec, SCHEDULE, cancel=(3, 8))
+    assert 3 not in done and sorted(done) == [0, 1, 2, 4]
+    for i, g, _ in SCHEDULE:
+        if i != 3:
+            alone = Decoder(model, DecodeConfig(gen_length=g, block_length=L, **case)).generate([PROMPTS[i]])[0]
+            assert done[i].token_ids == alone.token_ids
+    assert live.idle
+
+
+def test_the_canvas_stays_bounded_however_long_it_runs():
+    m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5, std=0.02)
+    dec = Decoder(m, DecodeConfig(method="greedy", gen_length=16, block_length=8))
+    live = LiveBatch(dec, max_rows=2)
+    widths, done = [], 0
+    for n in range(12):                       # a stream of requests, two at a time
+        live.add([1 + n % 7, 2, 3], gen_length=16)
+        for _ in range(6):
+            u = live.step()
+            if u is None:
+                break
+            done += len(u.done)
+            if live._batch is not None:
+                widths.append(live._batch.x.shape[1])
+    while (u := live.step()) is not None:
+        done += len(u.done)
+    assert done == 12
+    assert max(widths) <= 3 + 16 + 8           # one prompt, one generation, at most a block of offset
+
+
+def test_bad_sequences_are_refused_when_added():
+    m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5)
+    live = LiveBatch(Decoder(m, DecodeConfig(method="greedy", gen_length=16, block_length=8)))
+    with pytest.raises(InputError, match="multiple of the block length"):
+        live.add([1, 2], gen_length=12)
+    with pytest.raises(InputError, match="mask token"):
+        live.add([1, 63])
+    with pytest.raises(InputError, match="max_rows"):
+        LiveBatch(live.dec, max_rows=0)
+    assert live.step() is None and live.idle
