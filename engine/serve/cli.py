@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"largest request body; a larger one is answered 413 without being read (default: "
                         f"{MAX_BODY_BYTES} = {MAX_BODY_BYTES >> 20} MiB)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0,
-                   help="when idle, wait this long after a request for others to decode with it")
+                   help="--batching static: when idle, wait this long after a request for others to decode with it")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous: requests join a running batch at block boundaries and leave when done; "
+                        "static: a batch is decoded from start to end before the next one starts")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)   # tests: a slow load

@@ -49,7 +49,8 @@ class Server:
         DecodeConfig(**self.defaults).validate()          # bad server flags fail before the server starts
         self.args = args
         self.status, self.error = "loading", None
-        self.scheduler = Scheduler(args.max_queue, args.max_batch, args.batch_wait_ms / 1000)
+        self.scheduler = Scheduler(args.max_queue, args.max_batch, args.batch_wait_ms / 1000,
+                                   continuous=getattr(args, "batching", "continuous") == "continuous")
         self.created = int(time.time())
         self.exit_code = 0
 

@@ -1,8 +1,15 @@
-"""The decoding worker: a bounded queue of jobs and the one thread that owns the model and decodes
-them batch by batch (the oldest waiting job and every waiting job with an equal DecodeConfig)."""
+"""The decoding worker: a bounded queue of jobs and the one thread that owns the model.
+
+Continuous batching (the default): jobs with equal decoding options share a running
+`engine.live.LiveBatch` that they join at its next block boundary and leave when they are done,
+so a short request sent after a long one can finish first, and an answer comes when its own
+sequence ends. Batches of different options take turns, one model call each. Static batching
+(`--batching static`, the earlier behaviour): the oldest waiting job and every waiting job with an
+equal config are decoded together from start to end."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 import traceback
@@ -42,11 +49,18 @@ def _config_key(dc: DecodeConfig) -> tuple:
     return tuple(sorted((k, freeze(v)) for k, v in dc.as_dict().items()))
 
 
+def live_key(dc: DecodeConfig) -> tuple:
+    """Jobs that may share a running batch: equal options but the generation length (a sequence
+    keeps its own), unless a step count ties the schedule to it."""
+    return tuple((k, v) for k, v in _config_key(dc) if k != "gen_length" or dc.steps is not None)
+
+
 class Scheduler:
     """A bounded queue of waiting jobs and the one thread that decodes them batch by batch."""
 
-    def __init__(self, max_queue: int, max_batch: int, batch_wait: float = 0.0):
+    def __init__(self, max_queue: int, max_batch: int, batch_wait: float = 0.0, continuous: bool = True):
         self.max_queue, self.max_batch, self.batch_wait = max_queue, max_batch, batch_wait
+        self.continuous = continuous
         self.cond = threading.Condition()
         self.waiting: list[Job] = []
         self.running = 0
@@ -103,6 +117,8 @@ class Scheduler:
             return batch
 
     def run(self, model) -> None:
+        if self.continuous:
+            return self._run_continuous(model)
         from ..loop import Decoder
 
         while True:
@@ -158,3 +174,111 @@ class Scheduler:
                     return
         finally:
             stream.close()
+
+    # ------------------------------------------------------------------ continuous batching
+    def _run_continuous(self, model) -> None:
+        """Admit waiting jobs into the running batch of their options (up to max_batch rows each),
+        then advance one batch by one model call, batches taking turns; until closed."""
+        lives: dict[tuple, _Live] = {}
+        turn: collections.deque = collections.deque()
+        while True:
+            with self.cond:
+                while not self.closing and not self.waiting and not lives:
+                    self.cond.wait()
+                if self.closing:
+                    for live in lives.values():
+                        for j in live.jobs.values():
+                            j.push("error", ApiError(503, "the server is shutting down", "shutting_down"))
+                    return
+                self._admit(model, lives, turn)
+                for live in lives.values():          # clients that went away leave at the next boundary
+                    gone = [h for h, j in live.jobs.items() if j.cancelled]
+                    for h in gone:
+                        live.batch.cancel(h)
+                        del live.jobs[h]
+                    if gone and not live.jobs:       # every client of the batch went away: it stops
+                        self.stats["aborted_batches"] += 1
+                self.running = sum(lv.batch.running + len(lv.batch.waiting) for lv in lives.values())
+            if not turn:
+                continue
+            key = turn[0]
+            turn.rotate(-1)
+            live = lives[key]
+            if self._advance(live):
+                continue
+            del lives[key]                               # idle or failed: its decoder goes
+            turn.remove(key)
+
+    def _admit(self, model, lives: dict, turn) -> None:
+        from ..live import LiveBatch
+        from ..loop import Decoder
+
+        rows = sum(lv.batch.running + len(lv.batch.waiting) for lv in lives.values())
+        for job in list(self.waiting):
+            if rows >= self.max_batch:                   # --max-batch bounds the rows of all running batches
+                break
+            key = live_key(job.spec.config)
+            live = lives.get(key)
+            if live is None:
+                try:
+                    live = _Live(LiveBatch(Decoder(model, job.spec.config), max_rows=self.max_batch))
+                except InputError as e:
+                    self.waiting.remove(job)
+                    job.push("error", ApiError(400, str(e)))
+                    continue
+                lives[key] = live
+                turn.append(key)
+                self.stats["batches"] += 1                 # a running batch formed
+            self.waiting.remove(job)
+            try:
+                handle = live.batch.add(job.spec.prompt_ids, gen_length=job.spec.config.gen_length)
+            except InputError as e:
+                job.push("error", ApiError(400, str(e)))
+                continue
+            live.jobs[handle] = job
+            rows += 1
+            job.started = time.perf_counter()
+            self.stats["requests"] += 1
+            self.stats["rows"] += 1
+
+    def _advance(self, live: "_Live") -> bool:
+        """One model call of one running batch, its tokens and results handed to their jobs;
+        False when it is idle or failed (its jobs are told)."""
+        st = self.stats
+        try:
+            update = live.batch.step()
+        except Exception as e:            # noqa: BLE001 -- the worker survives whatever one batch does
+            st["errors"] += 1
+            code = 400 if isinstance(e, InputError) else 500
+            if code == 500:
+                traceback.print_exc()
+            for j in live.jobs.values():
+                j.push("error", ApiError(code, str(e)) if code == 400 else
+                       ApiError(500, f"decoding failed: {type(e).__name__}: {e}", "decoding_failed"))
+            return False
+        except BaseException as e:        # the worker stops (the server reports it): its clients are told
+            for j in live.jobs.values():
+                j.push("error", ApiError(500, f"decoding stopped: {type(e).__name__}: {e}", "decoding_failed"))
+            raise
+        if update is None:
+            return False
+        if update.rows:
+            st["calls"] += 1
+            st["largest_batch"] = max(st["largest_batch"], update.rows)
+        for h, piece in update.pieces.items():
+            j = live.jobs.get(h)
+            if j is not None and not j.cancelled:
+                j.batch_size = max(j.batch_size, update.rows)
+                j.push("tokens", piece)
+        for h, res in update.done.items():
+            j = live.jobs.pop(h, None)
+            if j is not None and not j.cancelled:
+                j.push("done", res)
+        return True
+
+
+class _Live:
+    """A running batch of one set of options and the jobs of its sequences (by handle)."""
+
+    def __init__(self, batch):
+        self.batch, self.jobs = batch, {}
