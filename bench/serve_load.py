@@ -1,14 +1,17 @@
 """Load benchmark of `python -m engine.serve` on loopback (docs/serve.md).
 
-    python -m bench.serve_load [--model DIR] [--levels 1 4 16] [--requests N] [--max-tokens 64]
+    python -m bench.serve_load [--model DIR] [--modes continuous static serial] [--levels 1 16 64]
+                               [--requests N] [--max-tokens 64 [32 ...]]
     python -m bench.serve_load --url http://127.0.0.1:8000 [--model-name NAME]     # a running server
 
-Without --url it starts two servers on free loopback ports, batched (--max-batch 32) and one
-request at a time (--max-batch 1), with the same decoding flags (--server-args), and measures them
-side by side, level by level (batched, then serial, at each concurrency), so both see the same
-machine. Every request streams (`stream: true`, usage included): latency is the time to
+Without --url it starts one server per mode on free loopback ports, with the same decoding flags
+(--server-args): continuous (continuous batching, --max-batch 32), static (--batching static
+--max-batch 32: a batch runs start to end) and serial (--max-batch 1), and measures them side by
+side, level by level, so all see the same machine. --max-tokens with several values gives prompt
+i the i-th value (cyclically), so requests of different lengths are mixed and a prompt always
+asks for the same length. Every request streams (`stream: true`, usage included): latency is the time to
 `data: [DONE]`, time to first token the time to the first chunk with text. Per level: requests/s,
-completion tokens/s, p50/p99 latency and time to first token (nearest rank), mean batch size (the
+completion tokens/s, p50/p95/p99 latency and time to first token (nearest rank), mean batch size (the
 `batch_size` the server reports in usage), model calls per request (the server's `calls`
 counter in /health) and the server process's CPU seconds per request (/proc; both change far less
 with the machine's other load than wall-clock figures do). Bounded: --requests per
@@ -103,7 +106,8 @@ def run_level(url: str, model: str, concurrency: int, n: int, max_tokens: int, e
                         return
                     nxt[0] += 1
                 try:
-                    res = one_request(client, url, model, texts[i % len(texts)], max_tokens, extra)
+                    mt = max_tokens[(i % len(texts)) % len(max_tokens)] if isinstance(max_tokens, list) else max_tokens
+                    res = one_request(client, url, model, texts[i % len(texts)], mt, extra)
                     res["prompt"] = i % len(texts)
                 except Exception as e:        # noqa: BLE001 -- counted, the run goes on
                     res = {"error": f"{type(e).__name__}: {e}"}
@@ -129,8 +133,9 @@ def summarize(concurrency: int, out: list[dict], wall: float, calls: int, cpu: f
             "seconds": round(wall, 3), "req_per_s": round(len(ok) / wall, 3), "tok_per_s": round(tokens / wall, 2),
             "calls_per_request": round(calls / max(len(ok), 1), 2),
             "server_cpu_s_per_request": round(cpu / max(len(ok), 1), 3) if cpu else None,
-            "p50_latency": round(pct(lat, 50), 3), "p99_latency": round(pct(lat, 99), 3),
-            "p50_ttft": round(pct(ttft, 50), 3), "p99_ttft": round(pct(ttft, 99), 3),
+            "p50_latency": round(pct(lat, 50), 3), "p95_latency": round(pct(lat, 95), 3),
+            "p99_latency": round(pct(lat, 99), 3),
+            "p50_ttft": round(pct(ttft, 50), 3), "p95_ttft": round(pct(ttft, 95), 3), "p99_ttft": round(pct(ttft, 99), 3),
             "mean_batch": round(sum(r["batch_size"] for r in ok) / max(len(ok), 1), 2),
             "mean_tokens": round(tokens / max(len(ok), 1), 1),
             "answers": {r["prompt"]: r["text"] for r in ok}}
@@ -182,15 +187,18 @@ def loadavg() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
-    p.add_argument("--url", help="a running server (else two are started: batched and --max-batch 1)")
+    p.add_argument("--url", help="a running server (else one is started per --modes)")
+    p.add_argument("--modes", nargs="+", choices=("continuous", "static", "serial"), default=["continuous", "static"],
+                   help="servers to start and compare: continuous batching, static batching, one request at a time")
     p.add_argument("--model", default=str(REPO / "models" / "default"), help="checkpoint of the started servers")
     p.add_argument("--model-name", help="the model id to send (default: asked from /v1/models)")
     p.add_argument("--server-args", default="--method confidence --threshold 0.9 --device cpu",
                    help="decoding and device flags of the started servers")
-    p.add_argument("--max-batch", type=int, default=32, help="--max-batch of the batched server")
-    p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="client concurrencies")
+    p.add_argument("--max-batch", type=int, default=32, help="--max-batch of the continuous and static servers")
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64], help="client concurrencies")
     p.add_argument("--requests", type=int, help="requests per level (default: 2 x concurrency, at least 8)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, nargs="+", default=[64],
+                   help="max_tokens of every request; several: prompt i asks for the i-th (cyclically)")
     p.add_argument("--options", default="{}", help="decoding options sent with every request (JSON object)")
     p.add_argument("--time-limit", type=float, default=180, help="seconds per level; no new request after it")
     p.add_argument("--rounds", type=int, default=1,
@@ -215,9 +223,12 @@ def main(argv=None) -> int:
             servers.append(("server", args.url.rstrip("/"), None))
         else:
             flags = shlex.split(args.server_args)
-            for mode, mb in (("batched", args.max_batch), ("serial", 1)):
+            mode_flags = {"continuous": ["--max-batch", str(args.max_batch)],
+                          "static": ["--max-batch", str(args.max_batch), "--batching", "static"],
+                          "serial": ["--max-batch", "1"]}
+            for mode in dict.fromkeys(args.modes):
                 log = Path(f"/tmp/serve_load_{mode}_{os.getpid()}.log")
-                proc, url = start_server(args.model, flags + ["--max-batch", str(mb), "--max-queue", "1024"], log)
+                proc, url = start_server(args.model, flags + mode_flags[mode] + ["--max-queue", "1024"], log)
                 procs.append(proc)
                 servers.append((mode, url, proc))
         for mode, url, proc in servers:
@@ -228,11 +239,12 @@ def main(argv=None) -> int:
             run_level(url, name, 1, 1, args.max_tokens, extra, args.time_limit, texts)
         print(f"# {' '.join(['python -m bench.serve_load'] + (argv if argv is not None else sys.argv[1:]))}")
         print(f"# hardware: {hardware()}; load average at start {loadavg()}")
-        print(f"# servers: {args.server_args} (batched: --max-batch {args.max_batch}; serial: --max-batch 1); "
+        print(f"# servers: {args.server_args} (modes {' '.join(args.modes)}; --max-batch {args.max_batch} but serial); "
               f"max_tokens {args.max_tokens}; options {json.dumps(extra)}")
-        print("| mode | concurrency | requests | errors | seconds | req/s | tokens/s | p50 latency s | p99 latency s "
-              "| p50 TTFT s | p99 TTFT s | mean batch | model calls / request | server CPU s / request | mean tokens |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| mode | concurrency | requests | errors | seconds | req/s | tokens/s | p50 latency s | p95 latency s "
+              "| p99 latency s | p50 TTFT s | p95 TTFT s | mean batch | model calls / request | server CPU s / request "
+              "| mean tokens |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         rows = []
         for c in args.levels:
             n = args.requests or max(8, 2 * c)
@@ -247,14 +259,14 @@ def main(argv=None) -> int:
                 r = {"mode": mode, "rounds": args.rounds, **summarize(c, *pooled[mode])}
                 rows.append(r)
                 print(f"| {mode} | {c} | {r['requests']} | {r['errors']} | {r['seconds']} | {r['req_per_s']} | "
-                      f"{r['tok_per_s']} | {r['p50_latency']} | {r['p99_latency']} | {r['p50_ttft']} | "
-                      f"{r['p99_ttft']} | {r['mean_batch']} | {r['calls_per_request']} | "
+                      f"{r['tok_per_s']} | {r['p50_latency']} | {r['p95_latency']} | {r['p99_latency']} | "
+                      f"{r['p50_ttft']} | {r['p95_ttft']} | {r['mean_batch']} | {r['calls_per_request']} | "
                       f"{r['server_cpu_s_per_request']} | {r['mean_tokens']} |",
                       flush=True)
                 if r["errors"]:
                     print(f"#   first error: {r['error_sample']}", flush=True)
         print(f"# load average at end {loadavg()}")
-        if len(servers) == 2:              # batch invariance under load: the same prompt, the same answer
+        if len(servers) >= 2:              # batch invariance under load: the same prompt, the same answer
             seen, differ = {}, 0
             for r in rows:
                 for i, text in r["answers"].items():

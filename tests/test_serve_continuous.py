@@ -1,0 +1,74 @@
+"""Continuous batching in the server, through the real `openai` client: a short request sent after a
+long one joins its running batch at the next block boundary and is answered first; with
+`--batching static` the same short request waits for the long one's batch to end. (That answers
+at temperature 0 equal each prompt decoded alone, under continuous batching, is
+tests/test_serve.py::test_concurrent_load_is_batched_and_batch_invariant and tests/test_live.py.)"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from test_serve import NAME, PROMPTS, ServerProcess
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+# greedy over heavy sampling noise (seed 0) runs ~96 calls before it stops: a long request
+LONG = dict(model=NAME, prompt="Question: Hugo has 12 toys. He gives half of them to Dan.\nAnswer: ", max_tokens=128,
+            temperature=50.0, seed=0, extra_body={"method": "greedy"})
+# the same options (a seeded generator serves a whole batch, so the seed is one of them): it may join LONG's batch
+SHORT = dict(model=NAME, prompt=PROMPTS[3], max_tokens=8, temperature=50.0, seed=0, extra_body={"method": "greedy"})
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve_continuous")
+    live = ServerProcess(tmp, "--max-batch", "8")
+    static = ServerProcess(tmp, "--max-batch", "8", "--batching", "static", "--batch-wait-ms", "0")
+    try:
+        live.wait_ready()
+        static.wait_ready()
+        yield {"continuous": live, "static": static}
+    finally:
+        live.stop()
+        static.stop()
+
+
+def _race(server):
+    """Send LONG, then SHORT once LONG is decoding; returns (finish order, responses)."""
+    client = server.client()
+    done, answers = [], {}
+
+    def ask(name, body):
+        answers[name] = client.completions.create(**body)
+        done.append(name)
+
+    t_long = threading.Thread(target=ask, args=("long", LONG))
+    t_long.start()
+    deadline = time.monotonic() + 120
+    while httpx.get(server.url + "/health", timeout=10).json()["running"] < 1:   # LONG is decoding
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.01)
+    t_short = threading.Thread(target=ask, args=("short", SHORT))
+    t_short.start()
+    t_long.join(300)
+    t_short.join(300)
+    return done, answers
+
+
+def test_a_late_short_request_is_answered_before_an_earlier_long_one(servers):
+    server = servers["continuous"]
+    order, answers = _race(server)
+    assert order == ["short", "long"]
+    assert answers["short"].usage.batch_size == 2            # it decoded beside the long one
+    assert answers["long"].usage.completion_tokens > 40      # long enough that the order means something
+    assert answers["short"].usage.queue_seconds < answers["long"].usage.decode_seconds / 2
+
+
+def test_static_batching_makes_the_short_request_wait(servers):
+    order, answers = _race(servers["static"])
+    assert order == ["long", "short"]
+    assert answers["short"].usage.batch_size == 1
+    assert answers["short"].usage.queue_seconds > answers["long"].usage.decode_seconds / 2     # it waited
