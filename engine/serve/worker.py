@@ -117,9 +117,12 @@ class Scheduler:
             return batch
 
     def run(self, model) -> None:
-        if self.continuous:
+        from ..distributed import decoder_class
+        from models.parallel import current
+
+        if self.continuous and current() is None:     # under tensor parallel the ranks follow whole decodes
             return self._run_continuous(model)
-        from ..loop import Decoder
+        Decoder = decoder_class()                      # rank 0 of a tensor-parallel group announces each decode
 
         while True:
             batch = self._next_batch()
