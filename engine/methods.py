@@ -101,7 +101,8 @@ def _option_graph(cfg) -> DraftGraph:
 
 def _speculative(cfg, policy, graph) -> str:
     shape = f"d={cfg.depth}" if cfg.graph is None else f"graph={len(graph)} nodes,d={graph.depth}"
-    budget = (",auto" if cfg.draft_budget == "auto" else "") + (",cross-block" if cfg.cross_block else "")
+    budget = (",auto" if cfg.draft_budget == "auto" else "") + (",cross-block" if cfg.cross_block else "") + \
+        (",confidence-order" if cfg.draft_order == "confidence" else "")
     return f"{cfg.method}({policy.describe()},{shape},{'exact' if cfg.exact else 'policy'}{budget})"
 
 
