@@ -29,6 +29,9 @@ class DecodeConfig:
     score: str
     temperature: float
     seed: int
+    top_k: int
+    top_p: float
+    ignore_eos: bool | None
     conf_dtype: str
     static_rows: bool | None
     compile: bool | None

@@ -79,10 +79,24 @@ class Decoder:
         """Top-1 token and confidence [R, W] from logits [R, W, V]."""
         if self.dc.conf_dtype == "float64":
             logits = logits.double()
+        if self.dc.ignore_eos:                  # no stop token is ever predicted: sequences run to gen length
+            logits = logits.index_fill(-1, self.stop_ids, float("-inf"))
         noise = None
         if self.dc.temperature > 0:
             u = torch.rand(logits.shape, generator=self.gen, device=logits.device, dtype=torch.float64)
             noise = -torch.log(-torch.log(u.clamp_min(1e-300)))       # standard Gumbel, LLaDA's float64 draw
+            if self.dc.top_k > 0 or self.dc.top_p < 1:
+                # top-k / nucleus: the noise is -inf outside the kept tokens, so the Gumbel-max sample is
+                # drawn among them; the confidence stays the untempered softmax of the whole vocabulary
+                x = logits.index_fill(-1, self.stop_ids.new_tensor([self.mc.mask_token_id]), float("-inf"))
+                keep = torch.ones_like(x, dtype=torch.bool)
+                if self.dc.top_k > 0:
+                    keep &= x >= x.topk(min(self.dc.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+                if self.dc.top_p < 1:
+                    p, order = torch.softmax(x.float() / self.dc.temperature, dim=-1).sort(dim=-1, descending=True)
+                    out = (p.cumsum(-1) - p) >= self.dc.top_p       # the mass before it already reaches top_p
+                    keep &= ~torch.zeros_like(out).scatter_(-1, order, out)
+                noise = noise.masked_fill(~keep, float("-inf"))
         return psd_kernels.top1(logits, self.mc.mask_token_id, score=self.dc.score,
                                 temperature=self.dc.temperature, noise=noise)
 

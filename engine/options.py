@@ -157,6 +157,12 @@ for _o in (
            general=True),
     Option("seed", int, "seed of the sampling noise", 0, check=lambda l, v: None if 0 <= v < 2 ** 64 else
            f"{l} must be in [0, 2**64), got {_short(v)}", general=True),
+    Option("top_k", int, "sample only among the k most likely tokens (0: off; at temperature 0 the argmax is "
+           "always among them: no effect)", 0, "top-k", check=_at_least(0), general=True),
+    Option("top_p", float, "nucleus sampling: sample only among the most likely tokens whose probabilities at the "
+           "temperature sum to p (1: off; at temperature 0: no effect)", 1.0, "top-p", check=_unit, general=True),
+    Option("ignore_eos", bool, "never predict a stop token (their logits are -inf), so every sequence runs to its "
+           "gen length", label="--ignore-eos", general=True),
     Option("conf_dtype", str, "dtype of the confidence computation (float64 for parity with references)",
            "float32", "confidence dtype", choices=CONF_DTYPES, general=True),
     Option("static_rows", bool, "pad every verification call of a block to the block's rows times the graph's "

@@ -258,24 +258,23 @@ BAD = [  # (body changes, status, words the message must hold)
     ({"decoding": {"treshold": 0.5}}, 400, "unknown decoding option"),
     ({"decoding": 3}, 400, "object of decoding options"),
     ({"threshold": 0.5, "decoding": {"tau": 0.6}}, 400, "given twice"),
-    ({"treshold": 0.5}, 400, "unknown field 'treshold'"),
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": "   "}, 400, "empty"),
     ({"prompt": []}, 400, "empty"),
     ({"prompt": "Question: <|mask|> 2\nAnswer: "}, 400, "mask token"),
     ({"prompt": [5, 1, 6]}, 400, "mask token"),
     ({"prompt": [5, 50000]}, 400, "outside the vocabulary"),
-    ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ({"prompt": ["a", 3]}, 400, "prompt must be a string"),
     ({"prompt": 12}, 400, "string or a list of token ids"),
     ({"prompt": None}, 400, "prompt is required"),
     ({"prompt": LONG}, 400, "maximum length"),
     ({"max_tokens": 0}, 400, "max_tokens must be >= 1"),
     ({"max_tokens": "10"}, 400, "max_tokens must be an integer"),
     ({"max_tokens": 250}, 400, "maximum length 256"),
-    ({"n": 2}, 400, "n must be 1"),
-    ({"top_p": 0.5}, 400, "top_p"),
+    ({"n": 0}, 400, "n must be >= 1"),
+    ({"top_p": 1.5}, 400, "top-p"),
     ({"logprobs": 2}, 400, "logprobs"),
-    ({"echo": True}, 400, "echo"),
+    ({"echo": "yes"}, 400, "echo must be a boolean"),
     ({"temperature": -1}, 400, "temperature must be finite and >= 0"),
     ({"seed": -3}, 400, "seed"),
     ({"stream": "yes"}, 400, "stream must be a boolean"),
@@ -294,7 +293,6 @@ CHAT_BAD = [
      "text content"),
     ({"messages": [{"role": "user", "content": "  "}]}, 400, "empty"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400, "unknown field 'prompt'"),
 ]
 
 
@@ -323,8 +321,8 @@ def test_bad_requests_through_the_client_and_raw(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError, match="unknown method"):
         client.completions.create(model=NAME, prompt="x", extra_body={"method": "nope"})
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be >= 1"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], n=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
     for raw, words in [(b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object")]:

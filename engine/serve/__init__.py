@@ -3,8 +3,12 @@
     python -m engine.serve --model DIR [decoding options] [--host 127.0.0.1] [--port 8000]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template, or
---chat-template), GET /v1/models, GET /health. `stream: true` answers with server-sent events
-in OpenAI's chunk format ending with `data: [DONE]`. Decoding options (method, threshold, depth,
+--chat-template), GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /version.
+`stream: true` answers with server-sent events in OpenAI's chunk format ending with `data: [DONE]`.
+`n` and prompt lists fan out into one job per (prompt, sample); every answer carries a `psd`
+object (canvas length, seed, calls, TPF). --api-key (or PSD_API_KEY) requires a Bearer key on
+every path but /health; unknown request fields are ignored with an X-PSD-Ignored-Fields header
+(--strict refuses them). Decoding options (method, threshold, depth,
 cache, policy, ...) are taken per request at the top level of the body (where the openai client
 puts `extra_body`) or under a nested `"decoding": {...}` object, checked exactly like the CLI's
 (DecodeConfig.validate); the command line gives the server's defaults.
@@ -24,7 +28,8 @@ protocol.py  OpenAI errors, request fields, decoding options of a request merged
 answer.py    the text of one answer: max_tokens, stop tokens, stop sequences, streamed pieces
 worker.py    the job queue and the one thread that decodes batches
 server.py    the checkpoint, the model loaded in the worker, a request checked into a Spec
-routes.py    the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, SSE
+routes.py    the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+             /version, SSE, the API key
 cli.py       the command line
 """
 from .answer import Answer

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import logging
+import os
 import socket
 import sys
 import threading
@@ -21,17 +23,34 @@ BIND_ERRORS = {errno.EADDRINUSE: "the port is already in use",
                errno.EADDRNOTAVAIL: "the address is not one of this machine's"}
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it (or there is none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower() or not action.option_strings:
+            return text
+        return text + (" " if text else "") + "(default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m engine.serve", description="an OpenAI-compatible HTTP server over the decoding engine")
+    p = Parser(prog="python -m engine.serve", description="an OpenAI-compatible HTTP server over the decoding engine",
+               formatter_class=DefaultsFormatter)
     p.add_argument("--model", help="checkpoint directory; default: the shipped models/default")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (a non-loopback one without "
+                                                        "--api-key prints a warning)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every path but /health (401 "
+                                     "otherwise); default: the environment variable PSD_API_KEY, else none")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse unknown request fields with 400 (default: ignore them, naming them in the "
+                        "X-PSD-Ignored-Fields header and the log)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument("--method", default="greedy", choices=list(METHODS),
                    help="default decoding method; requests may choose another")
     add_decoding_flags(p)
     add_plugin_flag(p)
-    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="model weights' dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--threads", type=int, help="torch CPU threads of the worker (default: torch's; on a shared "
                                                "CPU 1 is often fastest)")
@@ -47,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join a running batch at block boundaries and leave when done; "
                         "static: a batch is decoded from start to end before the next one starts")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)   # tests: a slow load
     return p
@@ -59,6 +79,15 @@ def main(argv=None) -> int:
         return 2
     args = build_parser().parse_args(argv)
     return guarded(_main, args)
+
+
+def loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def where(host: str, port: int) -> str:
@@ -114,7 +143,14 @@ def _main(args) -> int:
         import uvicorn
     except ImportError:
         raise InputError("the server needs fastapi and uvicorn: pip install -e '.[serve]'") from None
+    if args.api_key is None:
+        args.api_key = os.environ.get("PSD_API_KEY") or None
+    if args.api_key is not None and (not args.api_key.strip() or any(c.isspace() for c in args.api_key)):
+        raise InputError("--api-key must be a non-empty key without spaces")
     sock = listen(args.host, args.port)
+    if not args.api_key and not loopback(args.host):
+        print(f"warning: listening on {args.host}, which is not a loopback address, without --api-key: anyone who "
+              f"can reach this port can use the model", file=sys.stderr, flush=True)
     try:
         server = Server(args)
     except BaseException:

@@ -18,7 +18,7 @@ MAX_STOP = 4                   # OpenAI's limit on stop sequences
 MAX_MESSAGE = 600              # characters of an error message: a refused megabyte value is not echoed back
 # integer options that are values, not counts of positions, steps or nodes: every other integer
 # option a request sets is bounded by the model's maximum length (engine/serve/server.py)
-NOT_SIZES = ("seed",)
+NOT_SIZES = ("seed", "top_k")
 # options a request may not set: a compile takes the worker for a minute; a profile is a server file;
 # CUDA graphs hold device memory per captured (rows, block) shape
 SERVER_ONLY = ("compile", "cost_profile", "cuda_graphs")
@@ -35,7 +35,7 @@ def short(text: str, limit: int = MAX_MESSAGE) -> str:
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
@@ -54,26 +54,27 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 
 
 # OpenAI fields this server reads. An unsupported feature is accepted at its neutral value and
-# refused otherwise; a field that is neither an OpenAI field nor a decoding option is refused
-# (a misspelt engine option would otherwise be silently ignored).
+# refused otherwise; a field that is neither an OpenAI field nor a decoding option is ignored, named
+# in the X-PSD-Ignored-Fields header and the log (--strict: refused, as a misspelt engine option
+# would otherwise be silently ignored).
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-          "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", NESTED, "method"}
+          "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", NESTED, "method",
+          "min_tokens"}
+# fields that are decoding options as well (engine/options.py): taken by request_options
+ENGINE_FIELDS = ("method", "temperature", "seed", "top_p")
+MAX_N = 128                    # most choices per prompt
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                         "function_call", "response_format", "parallel_tool_calls", "store", "metadata",
                         "service_tier", "modalities"}
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}   # accepted, no effect
 NEUTRAL = {            # field -> (is the value neutral?, what the message says)
-    "n": (lambda v: v == 1 and not isinstance(v, bool),
-          "n must be 1 (one choice per request; concurrent requests are batched)"),
     "best_of": (lambda v: v == 1 and not isinstance(v, bool), "best_of must be 1"),
-    "top_p": (lambda v: v == 1 and not isinstance(v, bool), "top_p is not supported (only 1); use temperature"),
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty is not supported (only 0)"),
     "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "frequency_penalty is not supported (only 0)"),
     "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
-    "logprobs": (lambda v: v is False or (v == 0 and not isinstance(v, bool)), "logprobs are not supported"),
-    "top_logprobs": (lambda v: v == 0 and not isinstance(v, bool), "top_logprobs are not supported"),
-    "echo": (lambda v: v is False, "echo is not supported"),
+    "top_logprobs": (lambda v: v == 0 and not isinstance(v, bool),
+                     "top_logprobs are not supported (only 0: the log-prob of each committed token)"),
     "suffix": (lambda v: v == "", "suffix (insertion) is not supported"),
     "tools": (lambda v: v == [], "tools are not supported"),
     "functions": (lambda v: v == [], "functions are not supported"),
@@ -189,6 +190,11 @@ class Spec:
     stream: bool
     include_usage: bool
     chat: bool
+    index: int = 0                 # the choice's index in the answer: prompt index * n + sample index
+    sample: int = 0                # the sample index (0 to n - 1)
+    echo: str = ""                 # text before the answer (completions' echo: the prompt)
+    logprobs: bool = False         # report the log-prob of every committed token
+    ignored: tuple = ()            # unknown top-level fields that were ignored (not --strict)
 
 
 def int_field(body, name, lo=1, hi=None, why=""):
@@ -236,10 +242,11 @@ def _engine_value(name: str, value, max_length: int | None):
     return value
 
 
-def request_options(body: dict, fields: set, max_length: int | None = None) -> dict:
+def request_options(body: dict, fields: set, max_length: int | None = None, ignored: list | None = None) -> dict:
     """The decoding options of a request (method included), from its top level and/or its nested
-    `decoding` object, by option name or alias; unknown fields are errors. With `max_length`, a
-    draft graph's ranks are checked against it before the graph is built."""
+    `decoding` object, by option name or alias; unknown fields are errors, except at the top level
+    when `ignored` is a list: their names are appended to it. With `max_length`, a draft graph's
+    ranks are checked against it before the graph is built."""
     opts, where = {}, {}
 
     def take(key, value, place):
@@ -252,6 +259,9 @@ def request_options(body: dict, fields: set, max_length: int | None = None) -> d
                 if place == NESTED:
                     raise bad(f"unknown decoding option {key!r} in {NESTED}; options: "
                               f"{', '.join(['method'] + spellings())}", NESTED, "unknown_field") from None
+                if ignored is not None:
+                    ignored.append(key)
+                    return
                 raise bad(f"unknown field {key!r}: neither an OpenAI field of this endpoint nor a decoding "
                           f"option ({', '.join(['method'] + spellings())})", key, "unknown_field") from None
         if name in SERVER_ONLY:
@@ -261,7 +271,7 @@ def request_options(body: dict, fields: set, max_length: int | None = None) -> d
         opts[name], where[name] = (value if name == "method" else _engine_value(name, value, max_length)), key
 
     for key, value in body.items():
-        if value is not None and (key not in fields or key in ("method", "temperature", "seed")):
+        if value is not None and (key not in fields or key in ENGINE_FIELDS):
             take(key, value, "top")
     nested = body.get(NESTED)
     if nested is not None:

@@ -3,6 +3,9 @@ loaded in the worker thread, and a request checked into a `Spec` (prompt ids, De
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -13,8 +16,9 @@ from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device
 from ..config import DecodeConfig, check_prompts
 from ..errors import InputError
 from ..options import OPTIONS
-from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, NEUTRAL, ApiError, Spec, bad, int_field,
-                       merge_options, one_line, request_options, size_problem, stop_field)
+from ..results import SequenceResult
+from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_N, NEUTRAL, ApiError, Spec, bad, int_field,
+                       merge_options, one_line, request_options, short, size_problem, stop_field)
 from .worker import Scheduler
 
 # A long prompt is first measured piece by piece, this many characters at a time: the tokenizer
@@ -23,6 +27,8 @@ MEASURE_CHARS = 1 << 16
 # A prompt whose pieces count more than this many times the model's length is refused unencoded
 # (the seams between pieces change a count by a token or two, never by a factor).
 MEASURE_SLACK = 2
+# per-token log-probs need the probability of each committed token (SequenceResult.commit_prob)
+LOGPROBS = "commit_prob" in {f.name for f in dataclasses.fields(SequenceResult)}
 
 
 class Server:
@@ -104,7 +110,9 @@ class Server:
             http.should_exit = True
 
     # ------------------------------------------------------------------ parsing a request
-    def parse(self, body: dict, chat: bool) -> Spec:
+    def parse(self, body: dict, chat: bool) -> list[Spec]:
+        """The Specs of a request: one per (prompt, sample), in the order of the answer's choices
+        (index = prompt index * n + sample index)."""
         fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -130,32 +138,96 @@ class Server:
             if mct is not None and max_tokens is not None and mct != max_tokens:
                 raise bad("max_tokens and max_completion_tokens differ", "max_completion_tokens")
             max_tokens = mct if mct is not None else max_tokens
+        n = int_field(body, "n", 1, MAX_N) or 1
+        min_tokens = int_field(body, "min_tokens", 0, *room) or 0
+        logprobs = self._logprobs_field(body, chat)
+        echo = None if chat else body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise bad("echo must be a boolean", "echo")
+        if logprobs and stream:
+            raise bad("logprobs with stream: true are not supported (ask without streaming)", "logprobs", "unsupported")
         stop = stop_field(body)
+        ignored = None if getattr(self.args, "strict", False) else []
         try:             # every option is checked (by the option table, and against the model's length)
-            opts = request_options(body, fields, limit)   # before the prompt is encoded or anything is sized
+            opts = request_options(body, fields, limit, ignored)   # before the prompt is encoded or anything is sized
             merged = merge_options(self.defaults, opts)
             problem = size_problem(opts, limit)
             if problem:
                 raise bad(problem[1], problem[0])
-            text = self._chat_prompt(body.get("messages")) if chat else None
-            ids = self._chat_ids(text) if chat else self._prompt_ids(body.get("prompt"))
-            config, max_tokens = self._config(opts, merged, max_tokens, len(ids))
-            check_prompts(self.mc, config, [ids])
+            prompts = [(self._chat_ids(self._chat_prompt(body.get("messages"))), None)] if chat else \
+                self._prompt_list(body.get("prompt"), n)
+            specs = []
+            seed = merged.get("seed")
+            sampled = merged.get("temperature", 0) > 0
+            if sampled and seed is None:       # unseeded sampling: a fresh seed per request (reported)
+                seed = secrets.randbits(63)
+            for i, (ids, text) in enumerate(prompts):
+                config, cut = self._config(opts, dict(merged), max_tokens, len(ids))
+                check_prompts(self.mc, config, [ids])
+                if min_tokens:
+                    if min_tokens > cut:
+                        raise bad(f"min_tokens {min_tokens} exceeds max_tokens {cut}", "min_tokens")
+                    if min_tokens < cut:
+                        raise bad(f"min_tokens {min_tokens} below max_tokens {cut} is not supported: the engine "
+                                  f"suppresses stop tokens for a whole answer or not at all (min_tokens = "
+                                  f"max_tokens, or ignore_eos: true)", "min_tokens", "unsupported")
+                    config = config.replace(ignore_eos=True)
+                if logprobs and config.score != "prob":
+                    raise bad(f"logprobs need the confidence score prob (this request decodes with score "
+                              f"{config.score}: its per-token figures are not probabilities)", "logprobs")
+                shown = "" if not echo else text if text is not None else self.tok.decode(ids)
+                for j in range(n):
+                    # temperature 0: every sample is the same answer; else sample j is seeded seed + j
+                    cfg = config.replace(seed=(seed + j) % 2 ** 64) if sampled else config
+                    specs.append(Spec(ids, cfg, cut, stop, bool(stream), bool((so or {}).get("include_usage")),
+                                      chat, index=i * n + j, sample=j, echo=shown, logprobs=logprobs,
+                                      ignored=tuple(ignored or ())))
         except InputError as e:
             raise bad(str(e).replace("prompt 0 ", "the prompt ", 1)) from None
-        return Spec(ids, config, max_tokens, stop, bool(stream), bool((so or {}).get("include_usage")), chat)
+        return specs
+
+    def _logprobs_field(self, body: dict, chat: bool) -> bool:
+        """Completions: logprobs is a count of top alternatives (0: the chosen token's own);
+        chat: a boolean (top_logprobs is checked with the neutral fields)."""
+        v = body.get("logprobs")
+        if v is None or v is False:
+            return False
+        if chat:
+            if v is not True:
+                raise bad("logprobs must be a boolean", "logprobs")
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise bad(f"logprobs must be an integer >= 0, got {short(json.dumps(v), 30)}", "logprobs")
+        elif v > 0:
+            raise bad(f"logprobs {short(str(v), 30)} is not supported: only 0 (the log-prob of each committed "
+                      f"token; no top alternatives)", "logprobs", "unsupported")
+        if not LOGPROBS:
+            raise bad("logprobs are not supported by this engine version (no per-token probabilities)",
+                      "logprobs", "unsupported")
+        return True
+
+    def _prompt_list(self, prompt, n: int) -> list[tuple[list[int], str]]:
+        """(token ids, text) of every prompt of a completion request: a string, a list of token ids, or a
+        list of either (at most --max-queue choices in all, counted before anything is encoded)."""
+        many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        prompts = prompt if many else [prompt]
+        cap = self.scheduler.max_queue
+        if len(prompts) * n > cap:
+            raise InputError(f"{len(prompts)} prompts times n {n} is more choices than the server's queue "
+                             f"holds ({cap}, --max-queue)")
+        out = []
+        for i, p in enumerate(prompts):
+            try:
+                ids = self._prompt_ids(p)
+                out.append((ids, p if isinstance(p, str) else None))    # (ids decoded for echo once checked)
+            except InputError as e:
+                raise InputError(f"prompt {i}: {e}" if many and len(prompts) > 1 else str(e)) from None
+        return out
 
     def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InputError("the prompt is empty")
             return self._encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, list) for t in prompt):
-            raise InputError("one prompt per request (send several requests: concurrent requests are batched)")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
-            raise InputError("one prompt per request (send several requests: concurrent requests are batched)")
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise InputError("the prompt is empty")
@@ -163,7 +235,7 @@ class Server:
             return prompt
         if prompt is None:
             raise InputError("prompt is required")
-        raise InputError("prompt must be a string or a list of token ids")
+        raise InputError("prompt must be a string or a list of token ids, or a list of those (several prompts)")
 
     def _chat_prompt(self, messages) -> str:
         if not isinstance(messages, list) or not messages:

@@ -1,0 +1,424 @@
+"""engine.serve's API breadth and operations (issue 23, items 2 and 3), through the real `openai`
+client: n > 1, prompt lists, top_p/top_k, logprobs, echo, ignore_eos, min_tokens, unknown fields
+(ignored with a header; refused with --strict), a random seed per unseeded sampled request, the
+`psd` object of every answer, --api-key, /metrics, /version and --help.
+
+Two servers in subprocesses on free ports, the shipped model in fp32 on the CPU: `keyed` (--api-key,
+loopback) and `strict` (--strict, bound to 0.0.0.0 without a key: the warning line). Answers are
+compared with `engine.generate` on the same prompt and options.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_DIR = REPO / "models" / "default"
+NAME = "default"
+KEY = "sk-test-4d1f"
+OPTS = dict(method="confidence", threshold=0.9)           # both servers' defaults
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\n"
+            "{% else %}Answer: {{ m['content'] }}\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}Answer: {% endif %}")
+QUESTIONS = [json.loads(line)["prompt"] for line in
+             (REPO / "bench" / "data" / "math_test.jsonl").read_text(encoding="utf-8").splitlines()[:3]]
+PROMPTS = [f"Question: {q}\nAnswer: " for q in QUESTIONS]
+HOT = 5.0                      # a temperature at which the small model's answers vary from seed to seed
+SHORT = "Question: What is 2 + 3?\nAnswer: "       # answered in about 10 tokens, then EOS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, tmp: Path, *flags: str, host: str = "127.0.0.1", key: str | None = None):
+        self.port, self.key = _free_port(), key
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "engine.serve", "--model", str(MODEL_DIR), "--host", host,
+               "--port", str(self.port), "--device", "cpu", "--threads", "1", "--method", "confidence",
+               "--threshold", "0.9", *flags]
+        env = {k: v for k, v in os.environ.items() if k != "PSD_API_KEY"}
+        if key:
+            env["PSD_API_KEY"] = key             # the key from the environment
+        env["PYTHONPATH"] = str(REPO)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:     # /health needs no key
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def client(self, key: str | None = None):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key or "unused", max_retries=0,
+                             timeout=300)
+
+    def get(self, path: str, key: str | None = None):
+        headers = {"Authorization": f"Bearer {key or self.key}"} if (key or self.key) else {}
+        return httpx.get(self.url + path, headers=headers, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve_api")
+    (tmp / "chat.jinja").write_text(TEMPLATE, encoding="utf-8")
+    keyed = ServerProcess(tmp, "--chat-template", str(tmp / "chat.jinja"), key=KEY)
+    strict = ServerProcess(tmp, "--strict", host="0.0.0.0")
+    try:
+        keyed.wait_ready()
+        strict.wait_ready()
+        yield keyed, strict
+    finally:
+        keyed.stop()
+        strict.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def strict(servers):
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def engine_ref():
+    """`answer(prompt_text, max_tokens, **options)`: engine.generate's result and text, alone."""
+    from engine import generate
+    from models import Tokenizer, load_model
+
+    model = load_model(MODEL_DIR, dtype="float32", device="cpu")
+    tok = Tokenizer(MODEL_DIR)
+
+    def answer(text, max_tokens=32, **options):
+        opts = {**OPTS, **options}
+        block = opts.setdefault("block_length", 32)
+        res = generate(model, [tok.encode(text)], gen_length=-(-max_tokens // block) * block, **opts)[0]
+        return res, tok.decode(res.token_ids[:max_tokens])
+
+    answer.tok, answer.model = tok, model
+    return answer
+
+
+def _psd(r) -> dict:
+    return r.model_extra["psd"]
+
+
+# ---------------------------------------------------------------------------------------- n and prompt lists
+def test_n_and_prompt_lists(server, engine_ref):
+    client = server.client()
+    texts = [engine_ref(p, 24)[1] for p in PROMPTS[:2]]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[:2], n=2, max_tokens=24)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]            # index = prompt index * n + sample index
+    assert [c.text for c in r.choices] == [texts[0], texts[0], texts[1], texts[1]]   # temperature 0: identical
+    tok = engine_ref.tok
+    n_prompt = sum(len(tok.encode(p)) for p in PROMPTS[:2])
+    assert r.usage.prompt_tokens == n_prompt                         # each prompt once, as OpenAI counts
+    assert r.usage.completion_tokens == 2 * sum(len(engine_ref(p, 24)[0].token_ids[:24]) for p in PROMPTS[:2])
+    assert len(_psd(r)["choices"]) == 4
+    # a list of token-id lists is the same request
+    r2 = client.completions.create(model=NAME, prompt=[tok.encode(p) for p in PROMPTS[:2]], max_tokens=24)
+    assert [c.text for c in r2.choices] == texts
+    # chat: n choices
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}], n=3,
+                                       max_tokens=16)
+    assert [x.index for x in c.choices] == [0, 1, 2] and len({x.message.content for x in c.choices}) == 1
+
+
+def test_n_usage_sums_the_choices(server, engine_ref):
+    res, text = engine_ref(SHORT, 16)
+    r = server.client().completions.create(model=NAME, prompt=[SHORT, SHORT], n=2, max_tokens=16)
+    assert [c.text for c in r.choices] == [text] * 4
+    assert r.usage.completion_tokens == 4 * len(res.token_ids[:16])
+    assert r.usage.prompt_tokens == 2 * len(engine_ref.tok.encode(SHORT))
+    assert r.usage.calls == 4 * res.calls
+
+
+def test_n_streamed(server, engine_ref):
+    texts = [engine_ref(p, 24)[1] for p in PROMPTS[:2]]
+    stream = server.client().completions.create(model=NAME, prompt=PROMPTS[:2], n=2, max_tokens=24, stream=True,
+                                                stream_options={"include_usage": True})
+    got, finish, last = {}, {}, None
+    for ch in stream:
+        for c in ch.choices:
+            got[c.index] = got.get(c.index, "") + (c.text or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+        last = ch
+    assert got == {0: texts[0], 1: texts[0], 2: texts[1], 3: texts[1]}
+    assert all(finish[i] in ("stop", "length") for i in range(4))
+    assert last.usage.completion_tokens > 0 and len(last.model_extra["psd"]["choices"]) == 4
+
+
+def test_sampled_n_gets_a_seed_per_choice(server):
+    r = server.client().completions.create(model=NAME, prompt=PROMPTS[0], n=3, max_tokens=24, temperature=HOT,
+                                           seed=41)
+    assert [c["seed"] for c in _psd(r)["choices"]] == [41, 42, 43]
+    assert len({c.text for c in r.choices}) > 1                   # three samples, not one answer three times
+
+
+def test_bad_n_and_prompt_lists(server):
+    client = server.client()
+    for kwargs, words in [({"n": 0}, "n must be >= 1"), ({"n": 1000}, "n must be <= 128"),
+                          ({"prompt": ["a", 3]}, "prompt must be"), ({"prompt": ["ok", ""]}, "prompt 1"),
+                          ({"prompt": [PROMPTS[0]] * 200, "n": 2}, "--max-queue")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+            client.completions.create(**{"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, **kwargs})
+
+
+# ---------------------------------------------------------------------------------------- sampling
+def test_unseeded_sampling_is_random_per_request(server, engine_ref):
+    client = server.client()
+    rs = [client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=HOT)
+          for _ in range(3)]
+    seeds = [_psd(r)["seed"] for r in rs]
+    assert all(isinstance(s, int) for s in seeds) and len(set(seeds)) == 3
+    assert len({r.choices[0].text for r in rs}) > 1
+    # the reported seed reproduces the answer (a request alone; noise is drawn per batch)
+    again = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=HOT, seed=seeds[0])
+    assert again.choices[0].text == rs[0].choices[0].text
+    assert again.choices[0].text == engine_ref(PROMPTS[0], 24, temperature=HOT, seed=seeds[0])[1]
+    # temperature 0: no seed (nothing is drawn)
+    assert _psd(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8))["seed"] is None
+
+
+@pytest.mark.parametrize("method", ["confidence", "psd"])
+def test_top_k_1_and_tiny_top_p_are_greedy_in_the_engine(engine_ref, method):
+    from engine import generate
+
+    ids = [engine_ref.tok.encode(PROMPTS[0])]
+    opts = dict(method=method, gen_length=16, block_length=8, **({"threshold": 0.9} if method == "confidence" else {}))
+    greedy = [r.token_ids for r in generate(engine_ref.model, ids, **opts)]
+    sampled = [r.token_ids for r in generate(engine_ref.model, ids, temperature=HOT, seed=5, **opts)]
+    assert sampled != greedy                                        # the check can fail: sampling changes tokens
+    for cut in ({"top_k": 1}, {"top_p": 1e-9}, {"top_k": 1, "top_p": 0.5}):
+        assert [r.token_ids for r in generate(engine_ref.model, ids, temperature=HOT, seed=5, **opts, **cut)] == greedy
+    wide = [r.token_ids for r in generate(engine_ref.model, ids, temperature=HOT, seed=5, top_k=10 ** 6, top_p=1.0,
+                                          **opts)]
+    assert wide == sampled                                          # top_k beyond the vocabulary: no cut
+
+
+def test_top_k_top_p_through_the_client(server, engine_ref):
+    client = server.client()
+    greedy = engine_ref(PROMPTS[0], 24)[1]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=HOT, seed=3,
+                                  extra_body={"top_k": 1})
+    assert r.choices[0].text == greedy
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=HOT, seed=3, top_p=1e-9)
+    assert r.choices[0].text == greedy
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                       max_tokens=16, temperature=HOT, top_p=0.9, extra_body={"top_k": 20})
+    assert c.choices[0].message.content is not None
+    for extra, words in [({"top_p": 1.5}, "outside (0, 1]"), ({"top_p": 0}, "outside (0, 1]"),
+                         ({"top_k": -1}, "top-k must be >= 0"), ({"top_k": 2.5}, "top-k must be int")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+            client.completions.create(model=NAME, prompt="x", max_tokens=8, extra_body=extra)
+
+
+# ---------------------------------------------------------------------------------------- logprobs, echo
+def test_logprobs(server, engine_ref):
+    client = server.client()
+    res, text = engine_ref(PROMPTS[0], 24)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, logprobs=0)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert "".join(lp.tokens) == text == r.choices[0].text and len(lp.token_logprobs) == n
+    assert lp.token_logprobs == pytest.approx([math.log(p) for p in res.commit_prob[:n]], abs=1e-5)
+    assert all(x <= 0 for x in lp.token_logprobs) and lp.top_logprobs is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8).choices[0].logprobs is None
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                       max_tokens=16, logprobs=True)
+    content = c.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == c.choices[0].message.content
+    assert all(t.logprob <= 0 and t.top_logprobs == [] and bytes(t.bytes).decode() == t.token for t in content)
+    for call, words in [(lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=2),
+                         "logprobs 2 is not supported"),
+                        (lambda: client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                                                logprobs=True, top_logprobs=2),
+                         "top_logprobs are not supported"),
+                        (lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=0,
+                                                           stream=True), "logprobs with stream"),
+                        (lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=0,
+                                                           extra_body={"score": "margin"}), "score prob")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+            call()
+
+
+def test_echo(server, engine_ref):
+    client = server.client()
+    text = engine_ref(PROMPTS[0], 16)[1]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16, echo=True)
+    assert r.choices[0].text == PROMPTS[0] + text
+    ids = engine_ref.tok.encode(PROMPTS[0])
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=16, echo=True)
+    assert r.choices[0].text == engine_ref.tok.decode(ids) + text
+    stream = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16, echo=True, stream=True)
+    assert "".join(c.text for ch in stream for c in ch.choices) == PROMPTS[0] + text
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16, echo=True, logprobs=0)
+    assert r.choices[0].logprobs.text_offset[0] == len(PROMPTS[0])
+
+
+# ---------------------------------------------------------------------------------------- ignore_eos, min_tokens
+def test_ignore_eos_and_min_tokens(server, engine_ref):
+    client = server.client()
+    res, text = engine_ref(SHORT, 32)
+    assert res.stopped and len(res.token_ids) < 32                 # the plain answer ends early
+    plain = client.completions.create(model=NAME, prompt=SHORT, max_tokens=32)
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].text == text
+    full_res, full_text = engine_ref(SHORT, 32, ignore_eos=True)
+    assert not full_res.stopped and len(full_res.token_ids) == 32
+    for extra in ({"ignore_eos": True}, {"min_tokens": 32}):
+        r = client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, extra_body=extra)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 32
+        assert r.choices[0].text == full_text
+    r = client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, extra_body={"min_tokens": 0})
+    assert r.choices[0].text == text
+    for extra, words in [({"min_tokens": 5}, "min_tokens 5 below max_tokens 32 is not supported"),
+                         ({"min_tokens": 40}, "min_tokens 40 exceeds max_tokens 32"),
+                         ({"ignore_eos": "yes"}, "--ignore-eos must be bool")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+            client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, extra_body=extra)
+
+
+# ---------------------------------------------------------------------------------------- psd, unknown fields
+def test_psd_object_says_what_max_tokens_decoded(server):
+    r = server.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20,
+                                           extra_body={"block_length": 8})
+    p = _psd(r)
+    assert p["max_tokens"] == 20 and p["gen_length"] == 24 and p["block_length"] == 8   # rounded up to a block
+    assert p["method"] == "confidence" and p["calls"] == r.usage.calls and p["tpf"] > 0
+    assert r.usage.completion_tokens <= 20
+
+
+def test_unknown_fields_are_ignored_with_a_header(server, strict):
+    raw = server.client().completions.with_raw_response.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=8, extra_body={"treshold": 0.5, "frobnicate": [1]})
+    assert raw.headers["x-psd-ignored-fields"] == "treshold,frobnicate"
+    r = raw.parse()
+    assert _psd(r)["ignored_fields"] == ["treshold", "frobnicate"]
+    plain = server.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8)
+    assert r.choices[0].text == plain.choices[0].text              # ignored: the answer is the default one
+    assert "ignored unknown fields treshold, frobnicate" in server.log.read_text()
+    ok = server.client().completions.with_raw_response.create(model=NAME, prompt=PROMPTS[0], max_tokens=8)
+    assert "x-psd-ignored-fields" not in ok.headers
+    # a misspelt option in the nested decoding object is still an error
+    with pytest.raises(openai.BadRequestError, match="unknown decoding option"):
+        server.client().completions.create(model=NAME, prompt="x", max_tokens=8,
+                                           extra_body={"decoding": {"treshold": 0.5}})
+    # --strict: today's 400
+    with pytest.raises(openai.BadRequestError, match="unknown field 'treshold'"):
+        strict.client().completions.create(model=NAME, prompt="x", max_tokens=8, extra_body={"treshold": 0.5})
+
+
+# ---------------------------------------------------------------------------------------- auth and ops
+def test_api_key(server, strict):
+    body = {"model": NAME, "prompt": "x", "max_tokens": 4}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_api_key" and "Bearer" in err["message"] and "\n" not in err["message"]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200      # open: load balancers
+    for path in ("/v1/models", "/metrics", "/version"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 401
+        assert server.get(path).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    assert server.client().completions.create(model=NAME, prompt="x", max_tokens=4).choices
+    # no key: every path is open, and binding a non-loopback address said so at start
+    assert strict.get("/v1/models").status_code == 200
+    assert "warning: listening on 0.0.0.0" in strict.log.read_text()
+    assert "warning: listening" not in server.log.read_text()
+
+
+def _metrics(server) -> dict:
+    r = server.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    families = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    assert set(re.findall(r"^# HELP (\S+) ", text, re.M)) == set(families)
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return families, values
+
+
+def test_metrics(server):
+    families, before = _metrics(server)
+    assert families == {
+        "psd_requests_total": "counter", "psd_choices_total": "counter", "psd_prompt_tokens_total": "counter",
+        "psd_completion_tokens_total": "counter", "psd_generated_tokens_total": "counter",
+        "psd_model_calls_total": "counter", "psd_sequence_calls_total": "counter",
+        "psd_tokens_per_forward": "gauge", "psd_queue_length": "gauge", "psd_running_batch_size": "gauge",
+        "psd_batch_size": "histogram", "psd_request_latency_seconds": "histogram",
+        "psd_time_to_first_token_seconds": "histogram"}
+    r = server.client().completions.create(model=NAME, prompt=PROMPTS[0], n=2, max_tokens=16)
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=NAME, prompt="x", max_tokens=0)
+    _, after = _metrics(server)
+    ok, bad = ('psd_requests_total{endpoint="/v1/completions",status="200"}',
+               'psd_requests_total{endpoint="/v1/completions",status="400"}')
+    assert after[ok] == before.get(ok, 0) + 1 and after[bad] == before.get(bad, 0) + 1
+    assert after["psd_choices_total"] == before["psd_choices_total"] + 2
+    assert after["psd_completion_tokens_total"] == before["psd_completion_tokens_total"] + r.usage.completion_tokens
+    assert after["psd_generated_tokens_total"] - before["psd_generated_tokens_total"] == r.usage.decoded_tokens
+    assert after["psd_model_calls_total"] > before["psd_model_calls_total"]
+    assert after["psd_request_latency_seconds_count"] == before["psd_request_latency_seconds_count"] + 2
+    assert after["psd_time_to_first_token_seconds_count"] == before["psd_time_to_first_token_seconds_count"] + 1
+    assert after['psd_request_latency_seconds_bucket{le="+Inf"}'] == after["psd_request_latency_seconds_count"]
+    assert after["psd_tokens_per_forward"] > 0 and after["psd_queue_length"] == 0
+    assert after['psd_requests_total{endpoint="other",status="401"}'] >= 1        # test_api_key's refusals
+
+
+def test_version(server):
+    v = server.get("/version").json()
+    assert v["version"] and v["torch"] and "triton" in v
+    assert v["model"] == NAME and v["family"] == "llada" and Path(v["model_dir"]).resolve() == MODEL_DIR.resolve()
+
+
+def test_help_shows_defaults():
+    out = subprocess.run([sys.executable, "-m", "engine.serve", "--help"], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}, timeout=120).stdout
+    for flag, default in [("--host", "127.0.0.1"), ("--port", "8000"), ("--max-batch", "32"), ("--max-queue", "256"),
+                          ("--batch-wait-ms", "10.0"), ("--dtype", "float32"), ("--device", "auto"),
+                          ("--gen-length", "128"), ("--top-k", "0"), ("--top-p", "1.0")]:
+        block = " ".join(next(b for b in re.split(r"\n  (?=-)", out) if b.split()[0] == flag).split())
+        assert f"(default: {default})" in block, block
+    assert "--api-key" in out and "PSD_API_KEY" in out and "--strict" in out
