@@ -16,6 +16,7 @@ the same checkpoint decoded by one process:
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -402,3 +403,46 @@ def test_torchrun_refuses_a_model_that_does_not_split(tmp_path):
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1])
+
+
+def test_torchrun_serve_answers_what_one_process_decodes(ckpts, tmp_path):
+    """`torchrun -m engine.serve`: rank 0 serves HTTP, rank 1 follows its decodes; a completion
+    (streamed and not) equals engine.generate in one process, and the ranks stop together."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from engine import generate
+    from models import Tokenizer, load_model
+
+    path, port = ckpts["llada"], _free_port()
+    exe = shutil.which("torchrun")
+    launcher = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([*launcher, "--standalone", f"--nproc-per-node={WORLD}", "-m", "engine.serve", "--model",
+                             path, "--port", str(port), "--device", "cpu", "--dtype", "float64"],
+                            cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=5).json().get("status") == "ok":
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        body = {"model": Path(path).name, "prompt": "t5 t9 t14 t3", "max_tokens": 8, "method": "psd", "block_length": 4}
+        got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        streamed = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.append(json.loads(line[6:])["choices"][0]["text"])
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    tok = Tokenizer(path)
+    res = generate(load_model(path, dtype="float64"), [tok.encode("t5 t9 t14 t3")], method="psd", gen_length=8,
+                   block_length=4)[0]
+    assert got == tok.decode(res.token_ids)
+    assert "".join(streamed) == got

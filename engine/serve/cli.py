@@ -147,6 +147,10 @@ def _main(args) -> int:
         args.api_key = os.environ.get("PSD_API_KEY") or None
     if args.api_key is not None and (not args.api_key.strip() or any(c.isspace() for c in args.api_key)):
         raise InputError("--api-key must be a non-empty key without spaces")
+    from .. import distributed
+    tp = distributed.setup(args.device)         # under torchrun: tensor parallel, rank 0 serves
+    if tp is not None and tp.rank != 0:         # the other ranks follow its decodes, they bind nothing
+        return distributed.serve_follower(Server(args).model_dir, args.dtype, args.device)
     sock = listen(args.host, args.port)
     if not args.api_key and not loopback(args.host):
         print(f"warning: listening on {args.host}, which is not a loopback address, without --api-key: anyone who "
@@ -175,6 +179,7 @@ def _main(args) -> int:
         server.scheduler.close()
         worker.join(timeout=10)
         sock.close()
+        distributed.release()                   # followers (tensor parallel) stop with rank 0
     if not http.started and server.exit_code == 0:
         why = (failure.strerror if isinstance(failure, OSError) else None) or \
             next((m.strip().splitlines()[-1] for m in startup.messages if m.strip()), "uvicorn did not start")

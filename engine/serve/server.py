@@ -82,14 +82,19 @@ class Server:
             import torch
 
             from models import load_model
+            from models.parallel import current
 
-            from ..loop import generate
+            from ..config import DecodeConfig
+            from ..distributed import decoder_class
 
             if self.args.threads:
                 torch.set_num_threads(self.args.threads)
             t0 = time.perf_counter()
-            model = load_model(self.model_dir, dtype=self.args.dtype, device=resolve_device(self.args.device))
-            generate(model, [self.tok.encode("a") or [self.mc.eos_token_id]], gen_length=1, block_length=1)
+            tp = current()                     # tensor parallel (torchrun): this rank's shard
+            model = load_model(self.model_dir, dtype=self.args.dtype,
+                               device=tp.device if tp else resolve_device(self.args.device), tp=tp)
+            decoder_class()(model, DecodeConfig(gen_length=1, block_length=1)).generate(
+                [self.tok.encode("a") or [self.mc.eos_token_id]])
             self.model = model
             print(f"model {self.name} loaded on {model.device} in {time.perf_counter() - t0:.1f} s; ready",
                   file=sys.stderr, flush=True)
