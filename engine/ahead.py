@@ -45,7 +45,11 @@ def first_output(decoder, batch, seqs, x, valid, pos, win):
     return pred, conf, ahead, cache, (~carried).long(), step
 
 
-def draft_across(run, act, masked, node_ranks, stop_ids, mask_id: int, draft_key):
+def _by_confidence(conf, masked, step, noise):
+    return conf
+
+
+def draft_across(run, act, masked, node_ranks, stop_ids, mask_id: int, draft_key=_by_confidence):
     """Stage 2 over the block and the next one, for the active rows: drafts [A, K, W + L], node
     membership [A, K, W + L] and valid [A, K]. σ is the block's masked positions by confidence,
     then the next block's by the next-block confidences of the same output; a node holding a rank
@@ -53,7 +57,7 @@ def draft_across(run, act, masked, node_ranks, stop_ids, mask_id: int, draft_key
     completes the block), the completed block holds no stop token (the row would end there), and
     the row's latest output covers the next block (a row that entered its block without a call
     has none until its first verification call). `draft_key(conf, masked, step, noise)`: the key each
-    part is ranked by (the decoder's: the policy's own draft order, or confidence)."""
+    part is ranked by (the decoder's: the policy's own draft order; by default confidence)."""
     W, L = run.win.width, run.win.ahead
     lo, hi = run.win.lo, run.win.hi
     blk = run.x[act, lo:hi + L]

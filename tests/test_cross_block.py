@@ -146,7 +146,8 @@ def _run(rows):
     t = lambda i, dt=torch.long: torch.tensor([r[i] for r in rows], dtype=dt)   # noqa: E731
     x = torch.cat((t(0), torch.full((len(rows), 4), M)), -1)
     return SimpleNamespace(win=Window(0, 4, 0, 4, 4), x=x, pred=t(1), conf=t(2, torch.float32),
-                           ahead_pred=t(3), ahead_conf=t(4, torch.float32), ahead_ok=t(5, torch.bool))
+                           ahead_pred=t(3), ahead_conf=t(4, torch.float32), ahead_ok=t(5, torch.bool),
+                           step=torch.zeros(len(rows), dtype=torch.long), noise=None)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -132,7 +132,7 @@ def test_zero_commit_steps_are_not_a_stall_and_psd_exact_stays_lossless(dream_mo
 def test_bad_schedule_options_are_one_line_errors(dream_model):
     model, _, _ = dream_model
     for opts, words in ((dict(method="topk", eps=0.01), "eps applies to --schedule dream"),
-                        (dict(method="confidence", schedule="dream"), "schedule applies to topk and psd"),
+                        (dict(method="confidence", schedule="dream"), "schedule applies to topk, random and psd"),
                         (dict(method="topk", schedule="cosine"), "unknown schedule"),
                         (dict(method="topk", schedule="dream", eps=1.0), "outside (0, 1)")):
         with pytest.raises(engine.InputError, match=words.replace("(", r"\(").replace(")", r"\)")):
