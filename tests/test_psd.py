@@ -17,7 +17,7 @@ from engine.calibrate import main as calibrate_main
 from engine.calibrate import record_reveal_sets, select_nodes
 from engine.config import DecodeConfig
 from engine.methods import policy_methods
-from engine.policies import Greedy
+from engine.policies import Greedy, policy_select
 from models import load_model
 from models.random_checkpoint import make_checkpoint
 
@@ -97,16 +97,18 @@ def verifier_case(draw):
     vpred = torch.randint(0, 3, (R, K, L), generator=g)
     vconf = torch.rand(R, K, L, generator=g)
     exact = draw(st.booleans())
-    return graph, policy, drafts, in_node, valid, vpred, vconf, exact
+    noise = torch.rand(R, L, generator=g)                   # a random policy's draw (others ignore it)
+    return graph, policy, drafts, in_node, valid, vpred, vconf, exact, noise
 
 
 @settings(max_examples=150, deadline=None)
 @given(verifier_case())
 def test_hierarchical_acceptance_properties(case):
-    graph, policy, drafts, in_node, valid, vpred, vconf, exact = case
+    graph, policy, drafts, in_node, valid, vpred, vconf, exact, noise = case
     R, K, L = drafts.shape
     step = torch.zeros(R, dtype=torch.long)
-    best, _, acc = acceptance.hierarchical(policy, graph, MASK, drafts, in_node, valid, vpred, vconf, step, exact=exact)
+    best, _, acc = acceptance.hierarchical(policy, graph, MASK, drafts, in_node, valid, vpred, vconf, step, exact=exact,
+                                           noise=noise)
     sizes = [len(s) for s in graph.nodes]
     for r in range(R):
         assert acc[r, 0]
@@ -120,8 +122,8 @@ def test_hierarchical_acceptance_properties(case):
                 if not acc[r, p]:
                     continue
                 new = in_node[r, k] & ~in_node[r, p]
-                commit = policy.select(vconf[r, p][None], (drafts[r, p] == MASK)[None],
-                                       torch.zeros(1, dtype=torch.long))[0]
+                commit = policy_select(policy, vconf[r, p][None], (drafts[r, p] == MASK)[None],
+                                       torch.zeros(1, dtype=torch.long), noise[r][None])[0]
                 tokens_ok = bool((drafts[r, k][new] == vpred[r, p][new]).all())
                 crit = bool(torch.equal(new, commit)) if exact else bool(commit[new].all())
                 ok_parent |= tokens_ok and crit
