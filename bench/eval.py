@@ -291,11 +291,14 @@ def _run(args) -> int:
     window = ModelConfig.from_dir(args.model).max_length
     k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot
     room = window - args.gen_length
+    shots_path = args.few_shot_data or args.data
     if k > max(room, 0):                            # bounded before a single example is built
+        hint = window_error(task, problems, 0, shots_path, Tokenizer(args.model).encode, window, window,
+                            args.block_length) or ""
+        fits = hint[hint.rfind("--gen-length"):] if "--gen-length" in hint.rsplit(";", 1)[-1] else ""
         raise InputError(f"--few-shot {k} cannot fit the model's {window}-token window: --gen-length "
                          f"{args.gen_length} leaves {max(room, 0)} tokens for the prompt, and every example "
-                         f"takes at least one")
-    shots_path = args.few_shot_data or args.data
+                         f"takes at least one" + (f"; use --few-shot 0 {fits}" if fits else ""))
     try:
         shots = task.few_shot(k, shots_path) if k else []
     except (KeyError, TypeError, AttributeError) as e:
