@@ -295,10 +295,12 @@ def _run(args) -> int:
     if k > max(room, 0):                            # bounded before a single example is built
         hint = window_error(task, problems, 0, shots_path, Tokenizer(args.model).encode, window, window,
                             args.block_length) or ""
-        fits = hint[hint.rfind("--gen-length"):] if "--gen-length" in hint.rsplit(";", 1)[-1] else ""
+        tail = hint.split("; ", 1)[1] if "; " in hint else ""            # window_error's advice for 0 shots
+        if tail.startswith("use "):
+            tail = "use --few-shot 0 " + tail[len("use "):]
         raise InputError(f"--few-shot {k} cannot fit the model's {window}-token window: --gen-length "
                          f"{args.gen_length} leaves {max(room, 0)} tokens for the prompt, and every example "
-                         f"takes at least one" + (f"; use --few-shot 0 {fits}" if fits else ""))
+                         f"takes at least one" + (f"; {tail}" if tail else ""))
     try:
         shots = task.few_shot(k, shots_path) if k else []
     except (KeyError, TypeError, AttributeError) as e:

