@@ -32,6 +32,7 @@ class DecodeConfig:
     top_k: int
     top_p: float
     ignore_eos: bool | None
+    min_tokens: int
     conf_dtype: str
     static_rows: bool | None
     compile: bool | None
@@ -138,8 +139,10 @@ class DecodeConfig:
         return self.spec.describe(self, self.policy(), self.draft_graph()) + suffix
 
 
-def check_prompts(mc, dc: DecodeConfig, prompts) -> list[list[int]]:
-    """Validate a batch of prompts (token-id lists) against a model config; returns int lists."""
+def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | None = None) -> list[list[int]]:
+    """Validate a batch of prompts (token-id lists) against a model config, each to be followed by
+    `gen_length` generated positions (default the config's); returns int lists."""
+    gen_length = dc.gen_length if gen_length is None else gen_length
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise InputError("prompts must be a non-empty list of token-id lists")
     out = []
@@ -156,8 +159,8 @@ def check_prompts(mc, dc: DecodeConfig, prompts) -> list[list[int]]:
             raise InputError(f"prompt {n} holds a token id outside the vocabulary of size {mc.vocab_size}")
         if mc.mask_token_id in ids:
             raise InputError(f"prompt {n} contains the mask token (id {mc.mask_token_id})")
-        if len(ids) + dc.gen_length > mc.max_length:
-            raise InputError(f"prompt {n} of {len(ids)} tokens plus gen length {dc.gen_length} exceeds "
+        if len(ids) + gen_length > mc.max_length:
+            raise InputError(f"prompt {n} of {len(ids)} tokens plus gen length {gen_length} exceeds "
                              f"the model's maximum length {mc.max_length}")
         out.append(ids)
     return out

@@ -15,6 +15,7 @@ tokens are those of a single-request run.
     h = live.add(prompt_ids)                  # joins at the next block boundary
     while (update := live.step()) is not None:     # one model call per step
         update.pieces.get(h)                  # tokens that became final with that call
+        update.probs.get(h)                   # and their commit_prob
         update.done.get(h)                    # its SequenceResult, once it is done
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from models import position_ids
 
 from .config import check_prompts
 from .errors import InputError
-from .results import SequenceResult, collect_results, final_lengths
+from .results import SequenceResult, collect_results, final_pieces
 from .state import Batch, join
 
 
@@ -40,6 +41,7 @@ class LiveUpdate:
 
     pieces: dict[int, list[int]] = field(default_factory=dict)
     done: dict[int, SequenceResult] = field(default_factory=dict)
+    probs: dict[int, list[float]] = field(default_factory=dict)   # the pieces' commit_prob
     rows: int = 0                       # sequences in the batch during this call
 
 
@@ -68,7 +70,7 @@ class LiveBatch:
         g = dc.gen_length if gen_length is None else gen_length
         if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g % dc.block_length:
             raise InputError(f"gen length {g!r} must be a positive multiple of the block length {dc.block_length}")
-        ids = check_prompts(self.dec.mc, _Length(g), [prompt_ids])[0]
+        ids = check_prompts(self.dec.mc, dc, [prompt_ids], gen_length=g)[0]
         handle = next(self._ids)
         self.waiting.append((handle, ids, g))
         return handle
@@ -96,7 +98,7 @@ class LiveBatch:
         if self._loop is None:
             if not self.waiting:
                 return None
-            self._loop = self.dec._decode(self._empty(), between=self._between)
+            self._loop = self.dec._decode(None, between=self._between)
         try:
             batch, run = next(self._loop)
         except StopIteration:
@@ -105,19 +107,15 @@ class LiveBatch:
             return update
         update, self._ended = self._ended, LiveUpdate()
         update.rows = len(self.handles)
-        x, final = final_lengths(batch, run, self.dec.mc.mask_token_id)
-        final, start = torch.stack((final, batch.gen_start)).tolist()        # one read
-        for b, h in enumerate(self.handles):
-            n, sent = final[b], self.sent[h]
-            if n > sent and h not in self.cancelled:
-                update.pieces[h] = x[b, start[b] + sent:start[b] + n].tolist()
+        sent = [self.sent[h] for h in self.handles]
+        pieces, probs = final_pieces(batch, run, self.dec.mc.mask_token_id, sent)
+        for h, n, piece, prob in zip(self.handles, sent, pieces, probs):
+            if piece and h not in self.cancelled:
+                update.pieces[h], update.probs[h] = piece, prob
                 self.sent[h] = n
         return update
 
     # ------------------------------------------------------------------ the loop's side
-    def _empty(self) -> Batch | None:
-        return None
-
     def _between(self, batch: Batch | None) -> Batch | None:
         """At a block boundary: finished and cancelled rows leave, waiting sequences join."""
         now = time.perf_counter()
@@ -150,6 +148,7 @@ class LiveBatch:
                 rest = res.token_ids[self.sent[h]:]
                 if rest:
                     self._ended.pieces[h] = self._ended.pieces.get(h, []) + rest
+                    self._ended.probs[h] = self._ended.probs.get(h, []) + res.commit_prob[self.sent[h]:]
                 self._ended.done[h] = res
         keep = [b for b in range(len(self.handles)) if b not in set(out)]
         for b in out:
@@ -162,9 +161,3 @@ class LiveBatch:
         pos = lambda valid: position_ids(self.dec.mc, valid)     # noqa: E731
         return batch.take(torch.tensor(keep, device=batch.x.device)).trimmed(pos)
 
-
-class _Length:
-    """The one field of a DecodeConfig that `check_prompts` reads, for a per-sequence length."""
-
-    def __init__(self, gen_length: int):
-        self.gen_length = gen_length

@@ -75,12 +75,25 @@ class Decoder:
     def check_prompts(self, prompts) -> list[list[int]]:
         return check_prompts(self.mc, self.dc, prompts)
 
-    def _predict(self, logits: torch.Tensor):
-        """Top-1 token and confidence [R, W] from logits [R, W, V]."""
+    def _no_stop(self, gen_start: torch.Tensor, lo: int, width: int) -> torch.Tensor | None:
+        """[R, width] True at the columns `lo ...` where a row may not predict a stop token: its
+        first `min_tokens` generated positions (rows start generating at `gen_start` [R]); None
+        when no position is barred."""
+        if not self.dc.min_tokens or self.dc.ignore_eos:
+            return None
+        col = torch.arange(lo, lo + width, device=gen_start.device)
+        return col[None] < (gen_start + min(self.dc.min_tokens, self.mc.max_length))[:, None]
+
+    def _predict(self, logits: torch.Tensor, no_stop: torch.Tensor | None = None):
+        """Top-1 token and confidence [R, W] from logits [R, W, V]; `no_stop` [R, W] (`_no_stop`):
+        where the stop tokens' logits are -inf."""
         if self.dc.conf_dtype == "float64":
             logits = logits.double()
         if self.dc.ignore_eos:                  # no stop token is ever predicted: sequences run to gen length
             logits = logits.index_fill(-1, self.stop_ids, float("-inf"))
+        elif no_stop is not None:               # --min-tokens: none in a row's first generated positions
+            stop = logits.index_select(-1, self.stop_ids).masked_fill(no_stop[..., None], float("-inf"))
+            logits = logits.index_copy(-1, self.stop_ids, stop)
         noise = None
         if self.dc.temperature > 0:
             u = torch.rand(logits.shape, generator=self.gen, device=logits.device, dtype=torch.float64)
@@ -133,7 +146,7 @@ class Decoder:
             return torch.zeros(S, dtype=dtype, device=dev)
 
         run = BlockRun(
-            index=index, seqs=seqs, win=win, x=x, valid=valid, pos=pos, cache=cache, pred=pred, conf=conf,
+            index=index, seqs=seqs, win=win, gen_start=batch.gen_start[seqs], x=x, valid=valid, pos=pos, cache=cache, pred=pred, conf=conf,
             calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
             pending=zeros(torch.bool) | True, commit_call=batch.commit_call[seqs, span],
             commit_step=batch.commit_step[seqs, span], commit_source=batch.commit_source[seqs, span],
@@ -154,7 +167,8 @@ class Decoder:
             return first_output(self, batch, seqs, x, valid, pos, win)
         logits, cache = self.cache_mode.start(x, valid, pos, win)
         one = torch.ones(len(seqs), dtype=torch.long, device=x.device)
-        return *self._predict(logits), (None, None), cache, one, one - 1
+        no_stop = self._no_stop(batch.gen_start[seqs], win.lo, logits.shape[1])
+        return *self._predict(logits, no_stop), (None, None), cache, one, one - 1
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
         if (run.failed > 0).any():                                           # one read per block
@@ -239,7 +253,7 @@ class Decoder:
         win, dev, W = run.win, drafts.device, run.win.width
         pair, seq_rows, canvases = self._canvases(run, act, drafts, valid)
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
-        pred, conf = self._predict(logits)
+        pred, conf = self._predict(logits, self._no_stop(run.gen_start[seq_rows], win.lo, logits.shape[1]))
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W,
@@ -309,17 +323,19 @@ class Decoder:
         the tokens that became final with that call (the left-most fully committed prefix grows;
         tokens committed out of order inside a block wait for the masks before them). The last
         update also carries the `SequenceResult`s; its pieces end every sequence, so the pieces
-        of a sequence concatenate to exactly its `token_ids`. Reads back [B] values per call."""
+        of a sequence concatenate to exactly its `token_ids` (and their `probs` to its `commit_prob`).
+        Reads back [B] values per call."""
         prompts = self.check_prompts(prompts)
         t0 = time.perf_counter()
         batch = self._new_batch(prompts)
         sent = [0] * len(prompts)
         with torch.no_grad():
             for _, run in self._decode(batch):
-                yield StreamUpdate(final_pieces(batch, run, self.mc.mask_token_id, sent))
+                pieces, probs = final_pieces(batch, run, self.mc.mask_token_id, sent)
+                yield StreamUpdate(pieces, probs=probs)
         results = collect_results(batch, self.dc.block_length, time.perf_counter() - t0)
         pieces = [r.token_ids[n:] for r, n in zip(results, sent)]
-        yield StreamUpdate(pieces, results)
+        yield StreamUpdate(pieces, results, [r.commit_prob[n:] for r, n in zip(results, sent)])
 
     @torch.no_grad()
     def generate(self, prompts) -> list[SequenceResult]:

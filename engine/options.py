@@ -163,6 +163,9 @@ for _o in (
            "temperature sum to p (1: off; at temperature 0: no effect)", 1.0, "top-p", check=_unit, general=True),
     Option("ignore_eos", bool, "never predict a stop token (their logits are -inf), so every sequence runs to its "
            "gen length", label="--ignore-eos", general=True),
+    Option("min_tokens", int, "no stop token in a sequence's first N generated positions (their logits are -inf "
+           "there), so no answer ends before N tokens (0: off; N >= gen length: --ignore-eos)", 0, "--min-tokens",
+           check=_at_least(0), general=True),
     Option("conf_dtype", str, "dtype of the confidence computation (float64 for parity with references)",
            "float32", "confidence dtype", choices=CONF_DTYPES, general=True),
     Option("static_rows", bool, "pad every verification call of a block to the block's rows times the graph's "

@@ -42,6 +42,7 @@ class StreamUpdate:
 
     pieces: list[list[int]]                          # per sequence: token ids that became final
     results: list[SequenceResult] | None = None      # the last update only: what generate returns
+    probs: list[list[float]] | None = None           # per sequence: those tokens' commit_prob
 
 
 def aggregate(results: list[SequenceResult]) -> dict:
@@ -106,15 +107,19 @@ def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, end - batch.gen_start
 
 
-def final_pieces(batch, run, mask_id: int, sent: list[int]) -> list[list[int]]:
+def final_pieces(batch, run, mask_id: int, sent: list[int]) -> tuple[list[list[int]], list[list[float]]]:
     """Tokens of every sequence that are final now and were not sent yet (updates `sent`): the
-    generation up to its first masked position, or up to its stop token. Reads back [B] lengths
-    and the new tokens (streaming only; generate never calls this)."""
+    generation up to its first masked position, or up to its stop token; and their commit_prob
+    (a final token's is final too). Reads back [B] lengths and the new tokens (streaming and
+    continuous batching only; generate never calls this)."""
     x, final = final_lengths(batch, run, mask_id)
+    prob = batch.commit_prob.clone()
+    prob[run.seqs, run.win.lo:run.win.lo + run.commit_prob.shape[1]] = run.commit_prob    # the open block's rows
     final, start = torch.stack((final, batch.gen_start)).tolist()      # one read
-    pieces = []
+    pieces, probs = [], []
     for b, n in enumerate(final):
-        g0 = start[b]
-        pieces.append(x[b, g0 + sent[b]:g0 + n].tolist() if n > sent[b] else [])
+        new = slice(start[b] + sent[b], start[b] + n)
+        pieces.append(x[b, new].tolist() if n > sent[b] else [])
+        probs.append(prob[b, new].tolist() if n > sent[b] else [])
         sent[b] = max(sent[b], n)
-    return pieces
+    return pieces, probs

@@ -115,6 +115,7 @@ class BlockRun:
     index: int
     seqs: torch.Tensor             # [S] batch index of each row
     win: Window
+    gen_start: torch.Tensor        # [S] column of each row's first generated position
     x: torch.Tensor                # [S, N] canvases
     valid: torch.Tensor
     pos: torch.Tensor

@@ -1,5 +1,5 @@
 """engine.serve's API breadth and operations (issue 23, items 2 and 3), through the real `openai`
-client: n > 1, prompt lists, top_p/top_k, logprobs, echo, ignore_eos, min_tokens, unknown fields
+client: n > 1, prompt lists, top_p/top_k, logprobs (streamed too), echo, ignore_eos, min_tokens, unknown fields
 (ignored with a header; refused with --strict), a random seed per unseeded sampled request, the
 `psd` object of every answer, --api-key, /metrics, /version and --help.
 
@@ -272,11 +272,48 @@ def test_logprobs(server, engine_ref):
                                                                 logprobs=True, top_logprobs=2),
                          "top_logprobs are not supported"),
                         (lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=0,
-                                                           stream=True), "logprobs with stream"),
-                        (lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=0,
                                                            extra_body={"score": "margin"}), "score prob")]:
         with pytest.raises(openai.BadRequestError, match=re.escape(words)):
             call()
+
+
+def _streamed_logprobs(stream):
+    """(text, logprob fields) of a streamed completion, the chunks' lists concatenated."""
+    text, got = "", {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for ch in stream:
+        for c in ch.choices:
+            text += c.text
+            if c.logprobs is not None:
+                assert c.logprobs.tokens and c.logprobs.top_logprobs is None     # no empty logprobs objects
+                for k in got:
+                    got[k] += getattr(c.logprobs, k)
+    return text, got
+
+
+def test_streamed_logprobs_are_the_answers_logprobs(server):
+    """Streamed, every chunk carries the logprobs of the tokens whose text it completes; they
+    concatenate to the non-streamed logprobs (also with echo, a stop sequence that cuts the answer
+    mid-token-run, and min_tokens), and chat's content entries to its content."""
+    client = server.client()
+    for kw in ({}, {"echo": True}, {"stop": [" ="]}, {"extra_body": {"min_tokens": 20}}):
+        whole = client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, logprobs=0, **kw)
+        text, got = _streamed_logprobs(client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, logprobs=0,
+                                                                 stream=True, **kw))
+        lp = whole.choices[0].logprobs
+        assert text == whole.choices[0].text, kw
+        assert got == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset}, kw
+        assert len(got["tokens"]) == whole.usage.completion_tokens
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=32, logprobs=0, stream=True))
+    assert sum(1 for ch in chunks for c in ch.choices if c.logprobs is not None) > 1        # spread over the answer
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, logprobs=True)
+    content, entries = "", []
+    for ch in client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, logprobs=True, stream=True):
+        for c in ch.choices:
+            content += c.delta.content or ""
+            entries += c.logprobs.content if c.logprobs is not None else []
+    assert content == whole.choices[0].message.content == "".join(e.token for e in entries)
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
 
 
 def test_echo(server, engine_ref):
@@ -308,8 +345,22 @@ def test_ignore_eos_and_min_tokens(server, engine_ref):
         assert r.choices[0].text == full_text
     r = client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, extra_body={"min_tokens": 0})
     assert r.choices[0].text == text
-    for extra, words in [({"min_tokens": 5}, "min_tokens 5 below max_tokens 32 is not supported"),
-                         ({"min_tokens": 40}, "min_tokens 40 exceeds max_tokens 32"),
+    # min_tokens between: no stop token in the first min_tokens positions, the engine's own answer
+    m = len(res.token_ids) + 6
+    long_res, long_text = engine_ref(SHORT, 32, min_tokens=m)
+    assert long_res.stopped and len(long_res.token_ids) > m and long_text != text
+    assert not set(long_res.token_ids[:m]) & set(engine_ref.model.config.stop_token_ids)
+    r = client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, extra_body={"min_tokens": m})
+    assert r.choices[0].text == long_text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(long_res.token_ids) > m
+    # streamed, and in the nested decoding object: the same answer
+    stream = client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, stream=True,
+                                       extra_body={"decoding": {"min_tokens": m}})
+    assert "".join(c.text for ch in stream for c in ch.choices) == long_text
+    for extra, words in [({"min_tokens": 40}, "min_tokens 40 exceeds max_tokens 32"),
+                         ({"min_tokens": -1}, "--min-tokens must be >= 0"),
+                         ({"min_tokens": 2.5}, "--min-tokens must be int"),
+                         ({"min_tokens": 4, "decoding": {"min_tokens": 5}}, "given twice"),
                          ({"ignore_eos": "yes"}, "--ignore-eos must be bool")]:
         with pytest.raises(openai.BadRequestError, match=re.escape(words)):
             client.completions.create(model=NAME, prompt=SHORT, max_tokens=32, extra_body=extra)

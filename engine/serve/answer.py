@@ -1,4 +1,5 @@
-"""The text of one answer as its tokens arrive: cut at max_tokens, stop tokens and stop sequences."""
+"""The text of one answer as its tokens arrive: cut at max_tokens, stop tokens and stop sequences
+(those only after min_tokens tokens)."""
 from __future__ import annotations
 
 from models import Tokenizer
@@ -8,21 +9,42 @@ class Answer:
     """The text of one answer, from its final tokens as they arrive: cut to `max_tokens` tokens,
     at the first stop token (EOS, ...) and at the first stop sequence. `add` returns the text that
     became certain (an incomplete UTF-8 character and a possible start of a stop sequence wait),
-    so the streamed pieces concatenate to the text of the whole answer."""
+    so the streamed pieces concatenate to the text of the whole answer. With `min_tokens`, as in
+    vLLM, a stop sequence ends the answer only if the token that completes it is the
+    `min_tokens`-th or later (the decoder itself predicts no stop token before that: the engine
+    option of that name)."""
 
-    def __init__(self, tok: Tokenizer, max_tokens: int, stop: list[str], stop_ids):
+    def __init__(self, tok: Tokenizer, max_tokens: int, stop: list[str], stop_ids, min_tokens: int = 0):
         self.tok, self.max_tokens, self.stop, self.stop_ids = tok, max_tokens, stop, set(stop_ids)
+        self.min_tokens = min_tokens
         self.tokens: list[int] = []
+        self.probs: list[float] = []     # each token's commit_prob (what logprobs report)
+        self.reported = 0                # tokens whose logprobs were streamed
         self.shown = ""
         self.done = False
         self.finish_reason = None
         self.completion_tokens = 0
 
-    def add(self, piece: list[int]) -> str:
+    def add(self, piece: list[int], probs: list[float] | None = None) -> str:
         if self.done:
             return ""
         self.tokens += piece
+        self.probs += probs if probs is not None else [float("nan")] * len(piece)
         return self._update(final=False)
+
+    def unreported(self) -> tuple[list[int], list[float]]:
+        """The tokens (and probabilities) whose text is shown now and whose logprobs were not
+        streamed yet: all of the answer's `completion_tokens` once it is complete, so the streamed
+        logprobs concatenate to those of the whole answer."""
+        if self.done:
+            end = self.completion_tokens
+        else:
+            end = self.reported
+            while end < len(self.tokens) and self.shown.startswith(self.tok.decode(self.tokens[:end + 1])):
+                end += 1
+        ids, probs = self.tokens[self.reported:end], self.probs[self.reported:end]
+        self.reported = max(self.reported, end)
+        return ids, probs
 
     def finish(self) -> str:
         """All tokens are in (the decoder ended): the rest of the text."""
@@ -35,12 +57,13 @@ class Answer:
             toks = toks[:eos + 1]
         text = self.tok.decode(toks)
         complete = final or eos is not None or len(self.tokens) >= self.max_tokens
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        floor = len(self.tok.decode(toks[:self.min_tokens - 1])) if self.min_tokens > 1 else 0
+        cut = self._stop_at(text, floor)
         if cut >= 0:
             text, complete = text[:cut], True
             self.finish_reason = "stop"
-            self.completion_tokens = next((n for n in range(1, len(toks) + 1)
-                                           if any(s in self.tok.decode(toks[:n]) for s in self.stop)), len(toks))
+            self.completion_tokens = next((n for n in range(max(1, self.min_tokens), len(toks) + 1)
+                                           if self._stop_at(self.tok.decode(toks[:n]), floor) >= 0), len(toks))
         elif complete:
             self.finish_reason = "stop" if eos is not None else "length"
             self.completion_tokens = len(toks)
@@ -54,3 +77,7 @@ class Answer:
             new, self.shown = text[len(self.shown):], text
         self.done = complete
         return new
+
+    def _stop_at(self, text: str, floor: int) -> int:
+        """Where the first stop sequence that ends after `floor` characters starts in `text`; -1 if none."""
+        return min((i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in self.stop) if i >= 0), default=-1)

@@ -61,7 +61,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", NESTED, "method",
           "min_tokens"}
 # fields that are decoding options as well (engine/options.py): taken by request_options
-ENGINE_FIELDS = ("method", "temperature", "seed", "top_p")
+ENGINE_FIELDS = ("method", "temperature", "seed", "top_p", "min_tokens")
 MAX_N = 128                    # most choices per prompt
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
@@ -193,7 +193,7 @@ class Spec:
     index: int = 0                 # the choice's index in the answer: prompt index * n + sample index
     sample: int = 0                # the sample index (0 to n - 1)
     echo: str = ""                 # text before the answer (completions' echo: the prompt)
-    logprobs: bool = False         # report the log-prob of every committed token
+    logprobs: bool = False         # report the log-prob of every committed token (streamed too)
     ignored: tuple = ()            # unknown top-level fields that were ignored (not --strict)
 
 

@@ -276,7 +276,8 @@ async def handle(server, request, chat: bool):
         print(f"warning: {path}: ignored unknown fields {', '.join(spec.ignored)} (--strict refuses them)",
               file=sys.stderr, flush=True)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    answers = [Answer(server.tok, j.spec.max_tokens, j.spec.stop, server.mc.stop_token_ids) for j in jobs]
+    answers = [Answer(server.tok, j.spec.max_tokens, j.spec.stop, server.mc.stop_token_ids, j.spec.config.min_tokens)
+               for j in jobs]
     run = Run(server, jobs, answers, rid, t0, path)
     if spec.stream:
         return StreamingResponse(sse(run), media_type="text/event-stream",
@@ -295,6 +296,7 @@ class Run:
         self.server, self.jobs, self.answers, self.rid, self.t0, self.path = server, jobs, answers, rid, t0, path
         self.chat = jobs[0].spec.chat
         self.results = [None] * len(jobs)
+        self.offsets = [len(job.spec.echo) for job in jobs]     # completions' text_offset of streamed logprobs
         self.first = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks = [asyncio.ensure_future(self._pump(i, j)) for i, j in enumerate(jobs)]
@@ -312,11 +314,21 @@ class Run:
             if self.first is None:
                 self.first = time.perf_counter() - self.t0
                 self.server.metrics.first_token(self.first)
-            return self.answers[i].add(payload)
+            return self.answers[i].add(*payload)
         if kind == "done":
             self.results[i] = payload
             return self.answers[i].finish()
         return ""
+
+    def stream_logprobs(self, i) -> dict | None:
+        """The logprobs of choice i's tokens that were not streamed yet and whose text is out
+        (None if there are none); their text offsets continue the choice's."""
+        ids, probs = self.answers[i].unreported()
+        if not ids:
+            return None
+        spec = self.jobs[i].spec
+        out, self.offsets[i] = logprob_entries(self.server, spec.chat, ids, probs, self.offsets[i])
+        return out
 
     def cancel(self) -> None:
         """The client went away or one choice failed: the unfinished jobs are cancelled."""
@@ -373,12 +385,12 @@ def event(obj: dict | str) -> str:
     return "data: " + (obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)) + "\n\n"
 
 
-def chunk(server, rid, chat, text=None, finish=None, role=False, index=0) -> str:
+def chunk(server, rid, chat, text=None, finish=None, role=False, index=0, logprobs=None) -> str:
     if chat:
         delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return event({**head(server, rid, chat), "choices": [choice]})
 
 
@@ -395,10 +407,12 @@ async def sse(run: Run):
                 yield chunk(server, rid, chat, job.spec.echo, index=job.spec.index)
         while left:
             i, kind, payload = await run.queue.get()
-            index = run.jobs[i].spec.index
+            spec = run.jobs[i].spec
+            index = spec.index
             text = run.event(i, kind, payload)
-            if text:
-                yield chunk(server, rid, chat, text, index=index)
+            logprobs = run.stream_logprobs(i) if spec.logprobs and kind in ("tokens", "done") else None
+            if text or logprobs:
+                yield chunk(server, rid, chat, text, index=index, logprobs=logprobs)
             if kind == "done":
                 left -= 1
                 yield chunk(server, rid, chat, None if chat else "", run.answers[i].finish_reason, index=index)
@@ -460,15 +474,20 @@ async def collect(run: Run, request):
 def token_logprobs(server, spec, answer: Answer, res) -> dict:
     """OpenAI's logprobs of one choice from the engine's probability of each committed token (the
     probability under the model output that committed it); no top alternatives."""
-    ids = res.token_ids[:answer.completion_tokens]
-    probs = res.commit_prob[:answer.completion_tokens]
+    n = answer.completion_tokens
+    return logprob_entries(server, spec.chat, res.token_ids[:n], res.commit_prob[:n], len(spec.echo))[0]
+
+
+def logprob_entries(server, chat: bool, ids: list[int], probs: list[float], offset: int) -> tuple[dict, int]:
+    """The logprobs object of these tokens (chat's `content` list, or completions' parallel lists
+    with text offsets from `offset`) and the offset after them."""
     tokens = [server.tok.decode([t]) for t in ids]
     lps = [math.log(p) if p > 0 else -9999.0 for p in probs]
-    if spec.chat:
+    if chat:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                            for t, lp in zip(tokens, lps)]}
-    offsets, at = [], len(spec.echo)
+                            for t, lp in zip(tokens, lps)]}, offset
+    offsets = []
     for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}, offset

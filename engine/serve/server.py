@@ -144,13 +144,10 @@ class Server:
                 raise bad("max_tokens and max_completion_tokens differ", "max_completion_tokens")
             max_tokens = mct if mct is not None else max_tokens
         n = int_field(body, "n", 1, MAX_N) or 1
-        min_tokens = int_field(body, "min_tokens", 0, *room) or 0
         logprobs = self._logprobs_field(body, chat)
         echo = None if chat else body.get("echo")
         if echo is not None and not isinstance(echo, bool):
             raise bad("echo must be a boolean", "echo")
-        if logprobs and stream:
-            raise bad("logprobs with stream: true are not supported (ask without streaming)", "logprobs", "unsupported")
         stop = stop_field(body)
         ignored = None if getattr(self.args, "strict", False) else []
         try:             # every option is checked (by the option table, and against the model's length)
@@ -169,14 +166,8 @@ class Server:
             for i, (ids, text) in enumerate(prompts):
                 config, cut = self._config(opts, dict(merged), max_tokens, len(ids))
                 check_prompts(self.mc, config, [ids])
-                if min_tokens:
-                    if min_tokens > cut:
-                        raise bad(f"min_tokens {min_tokens} exceeds max_tokens {cut}", "min_tokens")
-                    if min_tokens < cut:
-                        raise bad(f"min_tokens {min_tokens} below max_tokens {cut} is not supported: the engine "
-                                  f"suppresses stop tokens for a whole answer or not at all (min_tokens = "
-                                  f"max_tokens, or ignore_eos: true)", "min_tokens", "unsupported")
-                    config = config.replace(ignore_eos=True)
+                if config.min_tokens > cut:
+                    raise bad(f"min_tokens {config.min_tokens} exceeds max_tokens {cut}", "min_tokens")
                 if logprobs and config.score != "prob":
                     raise bad(f"logprobs need the confidence score prob (this request decodes with score "
                               f"{config.score}: its per-token figures are not probabilities)", "logprobs")
