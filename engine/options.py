@@ -165,7 +165,7 @@ for _o in (
            "gen length", label="--ignore-eos", general=True),
     Option("min_tokens", int, "no stop token in a sequence's first N generated positions (their logits are -inf "
            "there), so no answer ends before N tokens (0: off; N >= gen length: --ignore-eos)", 0, "--min-tokens",
-           check=_at_least(0), general=True),
+           check=_at_least(0), general=True, metavar="N"),
     Option("conf_dtype", str, "dtype of the confidence computation (float64 for parity with references)",
            "float32", "confidence dtype", choices=CONF_DTYPES, general=True),
     Option("static_rows", bool, "pad every verification call of a block to the block's rows times the graph's "
