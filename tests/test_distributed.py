@@ -20,7 +20,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import torch  # noqa: E402
 from models import CheckpointError, ModelConfig, ParallelError, TensorParallel, attention_mask, load_model, position_ids  # noqa: E402
 from models.parallel import check_divisible, parameter_count_per_rank, split_dim  # noqa: E402
 from models.random_checkpoint import make_checkpoint  # noqa: E402
+from support import free_port, random_canvas  # noqa: E402
 
 WORLD = 2
 TIMEOUT = 150                    # seconds a launch may take before its ranks are killed
@@ -59,12 +59,6 @@ def ckpts(tmp_path_factory):
             for name, family, kw in MODELS}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1", **extra)
@@ -77,7 +71,7 @@ def _launch(job: dict, tmp_path: Path, world: int = WORLD) -> list:
     sharply when a third busy process takes their cores.)"""
     job_file = tmp_path / f"job-{time.monotonic_ns()}.pkl"
     job_file.write_bytes(pickle.dumps(job))
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         env = _env(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -98,24 +92,13 @@ def _launch(job: dict, tmp_path: Path, world: int = WORLD) -> list:
     return [pickle.loads(Path(f"{job_file}.{rank}").read_bytes()) for rank in range(world)]
 
 
-def _inputs(cfg, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lengths, n_gen = [9, 5], 8
-    P = max(lengths)
-    N = P + n_gen
-    ids = torch.randint(0, cfg.vocab_size - 2, (len(lengths), N), generator=g)
-    valid = torch.zeros(len(lengths), N, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        valid[b, P - n:] = True
-    return ids, valid, P, N
-
-
 def _logits(model):
     """Logits of a whole-canvas call, and of a block call over the KV cache of the rest (dual)."""
     from models import KVCache
 
     cfg = model.config
-    ids, valid, P, N = _inputs(cfg)
+    ids, valid, P = random_canvas(cfg, [9, 5], 8)
+    N = ids.shape[1]
     idx = torch.arange(N)
     pos = position_ids(cfg, valid)
     with torch.no_grad():
@@ -413,7 +396,7 @@ def test_torchrun_serve_answers_what_one_process_decodes(ckpts, tmp_path):
     from engine import generate
     from models import Tokenizer, load_model
 
-    path, port = ckpts["llada"], _free_port()
+    path, port = ckpts["llada"], free_port()
     exe = shutil.which("torchrun")
     launcher = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
     log = open(tmp_path / "serve.log", "w")

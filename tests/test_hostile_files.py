@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import bench.eval as ev
 import bench.speed as speed
@@ -27,6 +26,7 @@ from engine.errors import read_json as engine_read_json
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
 from models.config import MAX_FILE_BYTES, read_json, read_text
 from models.random_checkpoint import make_checkpoint
+from support import run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ROOT / "models" / "default"
@@ -283,12 +283,7 @@ def _no_weights(monkeypatch):
 
 
 def _eval(argv, capsys):
-    try:
-        rc = ev.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_main(ev.main, argv, capsys)
 
 
 @needs_default
@@ -431,12 +426,7 @@ def test_code_suites_pass_the_isolation_to_the_sandbox(monkeypatch):
 
 # ---------------------------------------------------------------------- bench.speed
 def _speed(argv, capsys):
-    try:
-        rc = speed.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_main(speed.main, argv, capsys)
 
 
 def _nothing_measured(monkeypatch):

@@ -25,7 +25,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("openai")           # tests/test_serve.py, whose server helper this reuses, needs it
 
-from test_serve import MODEL_DIR, NAME, REPO, ServerProcess, _free_port  # noqa: E402
+from support import MODEL_DIR, NAME, REPO, ServerProcess, free_port  # noqa: E402
 
 from engine.graph import MAX_NODES  # noqa: E402
 from engine.options import MAX_TEMPERATURE, MIN_TEMPERATURE  # noqa: E402
@@ -365,7 +365,7 @@ def test_bad_port_or_host_is_one_error_line(tmp_path, monkeypatch, capsys):
         cases.append((["--port", "80"], "permission denied"))
 
     def with_port(flags):
-        return flags if "--port" in flags else flags + ["--port", str(_free_port())]
+        return flags if "--port" in flags else flags + ["--port", str(free_port())]
 
     def no_server(args):
         raise AssertionError(f"the flags {args.host}:{args.port} got past the checks")

@@ -79,12 +79,17 @@ def test_cross_block_drafts_add_no_sync_per_step(backend, monkeypatch):
     rows that carry) and the next step: a bound, whatever the batch, depth or graph size."""
     base = check(profile(cache="none", backend=backend, monkeypatch=monkeypatch, gen_length=32)[0])
     counts = set()
-    for variant in (dict(), dict(batch=4), dict(nodes=2), dict(layers=3)):
+    # under Triton's interpreter a decode takes seconds: two variants there (the reference backend
+    # runs all four, and shows that the drafts crossing blocks save calls)
+    variants = (dict(), dict(batch=4), dict(nodes=2), dict(layers=3)) if backend == "reference" else \
+        (dict(batch=4), dict(nodes=2))
+    for variant in variants:
         prof, results = profile(cache="none", cross_block=True, backend=backend, monkeypatch=monkeypatch,
                                 gen_length=32, **variant)
         counts.add(check(prof))
-        assert sum(r.calls for r in results) < sum(r.calls for r in profile(
-            cache="none", backend=backend, monkeypatch=monkeypatch, gen_length=32, **variant)[1])
+        if backend == "reference":
+            assert sum(r.calls for r in results) < sum(r.calls for r in profile(
+                cache="none", backend=backend, monkeypatch=monkeypatch, gen_length=32, **variant)[1])
     assert max(counts) <= base + 3, counts
 
 
@@ -154,7 +159,8 @@ def test_one_attention_launch_per_layer_whatever_the_batch(backend, monkeypatch)
     from psd_kernels import reference
     from psd_kernels.ops import sparse_attn
 
-    for batch, nodes in ((1, 8), (4, 8), (4, 2)):
+    # the reference backend: three shapes; Triton's interpreter (seconds a decode): the two extremes
+    for batch, nodes in ((1, 8), (4, 8), (4, 2)) if backend == "reference" else ((1, 8), (4, 2)):
         calls = {"public": 0, "impl": 0}
 
         def counting(fn, key):

@@ -11,17 +11,7 @@ import torch
 import oracle
 from models.random_checkpoint import make_checkpoint
 from models import CheckpointError, ModelConfig, attention_mask, init_random, load_model, position_ids, save_checkpoint
-
-
-def _inputs(cfg, lengths, n_gen, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    P = max(lengths)
-    N = P + n_gen
-    ids = torch.randint(0, cfg.vocab_size - 2, (len(lengths), N), generator=g)
-    valid = torch.zeros(len(lengths), N, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        valid[b, P - n:] = True
-    return ids, valid, P
+from support import random_canvas
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "pangu"])
@@ -32,7 +22,7 @@ def test_logits_match_stock_transformers(family, lengths):
     cfg = ModelConfig.tiny(family)
     model = init_random(cfg, seed=7, std=0.2)
     hf, head = oracle.stock_model(model)
-    ids, valid, P = _inputs(cfg, lengths, n_gen=8)
+    ids, valid, P = random_canvas(cfg, lengths, n_gen=8)
     N = ids.shape[1]
     idx = torch.arange(N)
     mask = attention_mask(cfg, valid, P, P, 4, idx, idx)
@@ -74,7 +64,7 @@ def test_checkpoint_round_trip(tmp_path, family, shard):
         assert len(list(path.glob("model-*.safetensors"))) > 1
     loaded = load_model(path)
     assert loaded.config.family == family
-    ids, valid, P = _inputs(model.config, [6, 3], 4)
+    ids, valid, P = random_canvas(model.config, [6, 3], 4)
     idx = torch.arange(ids.shape[1])
     mask = attention_mask(model.config, valid, P, P, 4, idx, idx)
     pos = position_ids(model.config, valid)

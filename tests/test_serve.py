@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -26,9 +24,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-REPO = Path(__file__).resolve().parent.parent
-MODEL_DIR = REPO / "models" / "default"
-NAME = "default"
+from support import MODEL_DIR, NAME, REPO, ServerProcess, free_port, start_servers  # noqa: E402,F401
 SERVER_OPTS = dict(method="confidence", threshold=0.9)           # the main server's defaults
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
             "{% elif m['role'] == 'user' %}Question: {{ m['content'] }}\n"
@@ -37,73 +33,15 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'
 QUESTIONS = [json.loads(line)["prompt"] for line in
              (REPO / "bench" / "data" / "math_test.jsonl").read_text(encoding="utf-8").splitlines()[:8]]
 PROMPTS = [f"Question: {q}\nAnswer: " for q in QUESTIONS]
-START_TIMEOUT = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, tmp: Path, *flags: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"server-{self.port}.log"
-        self.early = []            # (what, status, body) seen before the model was ready
-        cmd = [sys.executable, "-m", "engine.serve", "--model", str(MODEL_DIR), "--host", "127.0.0.1",
-               "--port", str(self.port), "--device", "cpu", "--threads", "1", *flags]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                r = httpx.get(self.url + "/health", timeout=5)
-            except httpx.TransportError:
-                time.sleep(0.1)
-                continue
-            if r.status_code == 200:
-                return
-            if not self.early:     # still loading: a completion is refused with 503 too
-                c = httpx.post(self.url + "/v1/completions", json={"model": NAME, "prompt": "x"}, timeout=5)
-                self.early = [("health", r.status_code, r.json()), ("completion", c.status_code, c.json())]
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready after {START_TIMEOUT} s: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "chat.jinja").write_text(TEMPLATE, encoding="utf-8")
-    main = ServerProcess(tmp, "--method", "confidence", "--threshold", "0.9",
-                         "--chat-template", str(tmp / "chat.jinja"))
-    limited = ServerProcess(tmp, "--max-batch", "1", "--max-queue", "1", "--load-delay", "3")
-    try:
-        main.wait_ready()
-        limited.wait_ready()
-        yield main, limited
-    finally:
-        main.stop()
-        limited.stop()
+    yield from start_servers(ServerProcess(tmp, "--method", "confidence", "--threshold", "0.9",
+                                           "--chat-template", str(tmp / "chat.jinja")),
+                             ServerProcess(tmp, "--max-batch", "1", "--max-queue", "1", "--load-delay", "3"))
 
 
 @pytest.fixture(scope="module")
@@ -413,7 +351,7 @@ def test_chat_without_a_template(limited):
                                          (["--method", "confidence", "--threshold", "2"], "outside (0, 1]"),
                                          (["--chat-template", "nofile"], "neither a file")])
 def test_bad_command_line_is_one_line(flags, words):
-    res = subprocess.run([sys.executable, "-m", "engine.serve", "--port", str(_free_port()), *flags], cwd=REPO,
+    res = subprocess.run([sys.executable, "-m", "engine.serve", "--port", str(free_port()), *flags], cwd=REPO,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 2 and res.stderr.strip().startswith("error:") and words in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr

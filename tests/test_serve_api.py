@@ -13,10 +13,8 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,9 +24,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-REPO = Path(__file__).resolve().parent.parent
-MODEL_DIR = REPO / "models" / "default"
-NAME = "default"
+from support import MODEL_DIR, NAME, REPO, ServerProcess, start_servers  # noqa: E402
 KEY = "sk-test-4d1f"
 OPTS = dict(method="confidence", threshold=0.9)           # both servers' defaults
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\n"
@@ -41,69 +37,13 @@ HOT = 5.0                      # a temperature at which the small model's answer
 SHORT = "Question: What is 2 + 3?\nAnswer: "       # answered in about 10 tokens, then EOS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, tmp: Path, *flags: str, host: str = "127.0.0.1", key: str | None = None):
-        self.port, self.key = _free_port(), key
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "engine.serve", "--model", str(MODEL_DIR), "--host", host,
-               "--port", str(self.port), "--device", "cpu", "--threads", "1", "--method", "confidence",
-               "--threshold", "0.9", *flags]
-        env = {k: v for k, v in os.environ.items() if k != "PSD_API_KEY"}
-        if key:
-            env["PSD_API_KEY"] = key             # the key from the environment
-        env["PYTHONPATH"] = str(REPO)
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:     # /health needs no key
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-    def client(self, key: str | None = None):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key or "unused", max_retries=0,
-                             timeout=300)
-
-    def get(self, path: str, key: str | None = None):
-        headers = {"Authorization": f"Bearer {key or self.key}"} if (key or self.key) else {}
-        return httpx.get(self.url + path, headers=headers, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve_api")
     (tmp / "chat.jinja").write_text(TEMPLATE, encoding="utf-8")
-    keyed = ServerProcess(tmp, "--chat-template", str(tmp / "chat.jinja"), key=KEY)
-    strict = ServerProcess(tmp, "--strict", host="0.0.0.0")
-    try:
-        keyed.wait_ready()
-        strict.wait_ready()
-        yield keyed, strict
-    finally:
-        keyed.stop()
-        strict.stop()
+    flags = ("--method", "confidence", "--threshold", "0.9")
+    yield from start_servers(ServerProcess(tmp, *flags, "--chat-template", str(tmp / "chat.jinja"), key=KEY),
+                             ServerProcess(tmp, *flags, "--strict", host="0.0.0.0"))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from test_serve import NAME, PROMPTS, ServerProcess
+from support import NAME, ServerProcess
+from test_serve import PROMPTS
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

@@ -12,18 +12,14 @@ from bench import speed
 from bench.simulate import CARDS, TITLE, Call, Card
 from engine.frontend import DEFAULT_MODEL_DIR
 from models import Tokenizer, load_model
+from support import run_main
 
 LLADA = speed.shape_config("llada-8b")
 H100 = CARDS["h100-sxm"]
 
 
-def run_main(argv, capsys):
-    try:
-        rc = speed.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+def _speed(argv, capsys):
+    return run_main(speed.main, argv, capsys)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +91,7 @@ def test_a_measured_cost_profile_replaces_the_roofline(shipped, prompt, tmp_path
 
 
 def test_simulate_command_is_labelled_a_projection(capsys, tmp_path):
-    rc, out, err = run_main(["--simulate", "h100-sxm", "a100-80g", "--shape", "llada-8b", "--num-prompts", "1",
+    rc, out, err = _speed(["--simulate", "h100-sxm", "a100-80g", "--shape", "llada-8b", "--num-prompts", "1",
                              "--gen-length", "32", "--threads", "1", "--out", str(tmp_path / "o")], capsys)
     assert rc == 0, err
     assert out.startswith(f"## {TITLE}")
@@ -120,7 +116,7 @@ def test_simulate_command_is_labelled_a_projection(capsys, tmp_path):
     (["--simulate", "h100-sxm", "--methods", "psd:zz=1"], "zz"),
 ])
 def test_bad_input_is_one_error_line(argv, says, capsys, tmp_path):
-    rc, out, err = run_main(argv + ["--out", str(tmp_path / "o")], capsys)
+    rc, out, err = _speed(argv + ["--out", str(tmp_path / "o")], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
     assert not (tmp_path / "o").exists()

@@ -1,0 +1,126 @@
+"""Helpers several test modules share: a command-line `main` run in-process, random model inputs,
+a free port, and `engine.serve` in a subprocess (the shipped model in fp32 on the CPU, one thread)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_DIR = REPO / "models" / "default"
+NAME = "default"                     # the served model's name (its directory's)
+START_TIMEOUT = 240
+
+
+def run_main(main, argv, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a command-line `main(argv)` that returns or exits."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def random_canvas(cfg, lengths: list[int], n_gen: int, seed: int = 0):
+    """(ids [B, N], valid [B, N], P): random ids (never the last two of the vocabulary), rows
+    left-padded to the longest prompt length P, then `n_gen` positions."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    P = max(lengths)
+    N = P + n_gen
+    ids = torch.randint(0, cfg.vocab_size - 2, (len(lengths), N), generator=g)
+    valid = torch.zeros(len(lengths), N, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[b, P - n:] = True
+    return ids, valid, P
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m engine.serve` on a free port with `flags`; its output goes to a log file in `tmp`.
+    With `key`, the server takes it from PSD_API_KEY (never inherited from the caller's environment)."""
+
+    def __init__(self, tmp: Path, *flags: str, host: str = "127.0.0.1", key: str | None = None):
+        self.port, self.key = free_port(), key
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"server-{self.port}.log"
+        self.early = []            # (what, status, body) seen before the model was ready
+        cmd = [sys.executable, "-m", "engine.serve", "--model", str(MODEL_DIR), "--host", host,
+               "--port", str(self.port), "--device", "cpu", "--threads", "1", *flags]
+        env = {k: v for k, v in os.environ.items() if k != "PSD_API_KEY"}
+        if key:
+            env["PSD_API_KEY"] = key
+        env["PYTHONPATH"] = str(REPO)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+
+    def _auth(self, key: str | None = None) -> dict:
+        key = key or self.key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def wait_ready(self) -> None:
+        """Until GET /health answers 200 (it needs no key); what /health and a completion answered
+        while the model loaded is kept in `early`."""
+        import httpx
+
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.1)
+                continue
+            if r.status_code == 200:
+                return
+            if not self.early:     # still loading: a completion is refused with 503 too
+                c = httpx.post(self.url + "/v1/completions", json={"model": NAME, "prompt": "x"},
+                               headers=self._auth(), timeout=5)
+                self.early = [("health", r.status_code, r.json()), ("completion", c.status_code, c.json())]
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {START_TIMEOUT} s: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def health(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def get(self, path: str, key: str | None = None):
+        import httpx
+
+        return httpx.get(self.url + path, headers=self._auth(key), timeout=30)
+
+    def client(self, key: str | None = None):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key or "unused", max_retries=0,
+                             timeout=300)
+
+
+def start_servers(*servers: ServerProcess):
+    """Wait until every server is ready, yield them, and stop them all (a fixture's body)."""
+    try:
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
