@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
+from engine.config import spec_label
 from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, guarded, plugins_loaded
 from engine.options import resolve, spellings
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
@@ -86,12 +87,13 @@ def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None
     from tqdm import tqdm
 
     batches = range(0, len(prompts), args.batch_size)
-    for i in tqdm(batches, desc=f"{cfg.describe()}", disable=args.quiet or not sys.stderr.isatty(), file=sys.stderr):
+    label = spec_label(cfg, opts)
+    for i in tqdm(batches, desc=label, disable=args.quiet or not sys.stderr.isatty(), file=sys.stderr):
         offset[0] = i
         res = dec.generate(prompts[i:i + args.batch_size])
         for p, r in zip(problems[i:i + args.batch_size], res):
             text = truncate_at(tok.decode(r.token_ids), getattr(task, "STOP_SEQUENCES", ()))
-            records.append({"id": p["id"], "method": cfg.describe(), "spec": name, "completion": text,
+            records.append({"id": p["id"], "method": label, "spec": name, "completion": text,
                             "tokens": r.tokens, "calls": r.calls, "rows_per_call": r.rows_per_call,
                             "accepted_depth": {str(k): v for k, v in r.accepted_depth.items()},
                             "draft_tokens": sum(r.commit_source)})
@@ -280,8 +282,15 @@ def _run(args) -> int:
         specs.insert(0, ("greedy", {}))               # the speed baseline, measured in this run
     if args.gen_length is None:
         args.gen_length = GEN_LENGTH[args.task]
+    seen = {}
     for name, opts in specs:                        # every spec is checked before the first one runs
-        method_config(name, opts, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
+        cfg = method_config(name, opts, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
+        same = next((label for label, other in seen.items() if other == cfg), None)
+        if same is not None:
+            raise InputError(f"the method specs {same} and {spec_label(cfg, opts)} decode the same configuration "
+                             f"(with --cache {args.cache}, --gen-length {args.gen_length}, --block-length "
+                             f"{args.block_length}); give each once")
+        seen[spec_label(cfg, opts)] = cfg
     data = f"--data {args.data}" if args.data else f"the {args.task} data"
     problems = _load_problems(task, args.data, args.limit, data)
     if not problems:

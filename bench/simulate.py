@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from engine import DecodeConfig, Decoder, InputError
+from engine.config import spec_label
 from engine.cost import CostModel
 
 TITLE = "PROJECTION (not a measurement)"
@@ -239,7 +240,7 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
                 base_tps = tps
             rows.append({
                 "card": name, "card_label": c.label, "hbm_gbps": c.hbm_gbps, "bf16_tflops": c.bf16_tflops,
-                "cost": "profile" if profile is not None else "roofline", "method": cfg.describe(),
+                "cost": "profile" if profile is not None else "roofline", "method": spec_label(cfg, opts),
                 "cache": cache, "batch": batch, "prompts": len(prompts), "gen_length": gen_length,
                 "block_length": block_length, "tokens": agg["tokens"], "calls": len(calls),
                 "rows_per_call": sum(x.rows for x in calls) / max(len(calls), 1), "tpf": agg["tpf"],

@@ -52,10 +52,10 @@ from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate, gr
 from engine.cache import Window
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, guarded, plugins_loaded,
                              resolve_device)
-from engine.config import check_prompts
+from engine.config import check_prompts, spec_label
 from engine.errors import check_regular, read_user_text
 from engine.methods import METHODS
-from engine.options import RUNTIME
+from engine.options import OPTIONS, RUNTIME
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
 from models.checkpoint import available_memory
 
@@ -209,7 +209,7 @@ def time_call(fn, device: torch.device, reps: int, warmup: int = 2) -> tuple[flo
 
 # ---------------------------------------------------------------------- methods and baselines
 def method_label(name: str, opts: dict) -> str:
-    return DecodeConfig(method=name, **opts).validate().describe()
+    return spec_label(DecodeConfig(method=name, **opts).validate(), opts)
 
 
 def no_draft_baseline(name: str, opts: dict) -> tuple[str, dict] | None:
@@ -220,8 +220,9 @@ def no_draft_baseline(name: str, opts: dict) -> tuple[str, dict] | None:
         return None
     pol = cfg.spec.policy_class(cfg)
     for mname, m in METHODS.items():
-        if m.is_policy and m.policy is pol:     # its parameters, and how its calls run (--compile, --static-rows)
-            return mname, {o: cfg.given[o] for o in (*pol.params, *RUNTIME) if o in cfg.given}
+        if m.is_policy and m.policy is pol:     # its parameters, how its calls run (--compile, --static-rows)
+            # and the general options the spec gave (its own cache, temperature, ...): decoded alike
+            return mname, {o: v for o, v in cfg.given.items() if o in (*pol.params, *RUNTIME) or OPTIONS[o].general}
     return None
 
 

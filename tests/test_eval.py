@@ -76,6 +76,25 @@ def test_parse_method_specs():
         parse_method("psd:d=three")
 
 
+def test_specs_differing_only_in_general_options_are_separate_rows(tiny, tmp_path, capsys):
+    """`psd` and `psd:cache=dual` (or `psd:min_tokens=8`) describe the same method: their labels
+    carry the options the spec gave, so the table has a row each (they were one merged row); two
+    specs that decode the same configuration are one error line."""
+    out = tmp_path / "r.jsonl"
+    assert eval_main(["--model", str(tiny), "--task", "math", "--methods", "psd:d=2", "psd:d=2,cache=dual",
+                      "psd:d=2,min_tokens=8", "--limit", "3", "--gen-length", "16", "--block-length", "8",
+                      "--out", str(out), "--quiet"]) == 0
+    summary, records = _check_table_against_jsonl(capsys.readouterr().out, out, 3)
+    labels = [r["method"] for r in summary["rows"]]
+    assert labels[0] == "greedy" and len(set(labels)) == 4
+    assert labels[2] == labels[1] + "[cache=dual]" and labels[3] == labels[1] + "[min_tokens=8]"
+    assert all(r["tokens"] >= 9 for r in records if r["method"] == labels[3])      # no stop token before 8
+    assert eval_main(["--model", str(tiny), "--methods", "confidence", "confidence:cache=none", "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the method specs confidence(") and "decode the same configuration" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_bad_eval_input(tiny, capsys):
     assert eval_main(["--model", str(tiny), "--methods", "beam", "--limit", "2"]) == 2
     assert "unknown method 'beam'" in capsys.readouterr().err

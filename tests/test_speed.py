@@ -97,6 +97,18 @@ def test_method_plan_baseline_runs_its_calls_the_same_way():
     assert "greedy[compile]" in by and by["greedy[compile]"]["greedy"] == "greedy"
 
 
+def test_method_plan_keeps_specs_that_differ_in_general_options():
+    """`psd` and `psd:cache=dual` are two entries (one label made them one), and each is compared
+    with its policy decoded the same way (the spec's own cache, sampling, min_tokens)."""
+    plan = speed.method_plan(["psd:d=3", "psd:d=3,cache=dual", "psd:d=3,temperature=0.5,seed=2"])
+    by = {e["label"]: e for e in plan}
+    psd = "psd(confidence(tau=0.9),d=3,policy)"
+    assert {psd, psd + "[cache=dual]", psd + "[seed=2,temperature=0.5]"} <= set(by)
+    assert by[psd + "[cache=dual]"]["base"] == "confidence(tau=0.9)[cache=dual]"
+    assert by["confidence(tau=0.9)[cache=dual]"]["opts"].get("cache") == "dual"
+    assert by[psd + "[seed=2,temperature=0.5]"]["base"] == "confidence(tau=0.9)[seed=2,temperature=0.5]"
+
+
 # ---------------------------------------------------------------------- shapes and random weights
 def test_real_shapes_are_the_published_sizes():
     def count(name):
