@@ -183,7 +183,7 @@ else
             --prefix 32 64 --rows 1 2 4 --block-length 8 --cost-reps 2 --out "$OUT/cost_${shape//-/_}" --quiet
     done
     section end_to_end 180 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
-        --batch-sizes 1 4 --num-prompts 2 4 --cache none dual --gen-length 32 --repeats 2 --dtype bfloat16 \
+        --batch-sizes 1 4 --num-prompts 2 4 --cache none dual --gen-length 32 --repeats 1 --dtype bfloat16 \
         --out "$OUT/end_to_end" --quiet
 fi
 

@@ -22,7 +22,8 @@ import psd_kernels
 def first_output(decoder, batch, seqs, x, valid, pos, win):
     """The block's first output for rows `seqs`: carried over where the previous block was
     completed by a kept draft, else from a call of the other rows. Returns (pred, conf [S, W],
-    (next-block pred, conf) or (None, None), cache, called [S] long, step [S] long)."""
+    None: no alternatives (--top-logprobs is refused with --cross-block), (next-block pred, conf)
+    or (None, None), cache, called [S] long, step [S] long)."""
     carried = batch.carry_ok[seqs]
     batch.carry_ok.zero_()                         # a carry serves the block right after it only
     fresh = (~carried).nonzero()[:, 0]                                  # a second small read per block
@@ -35,7 +36,7 @@ def first_output(decoder, batch, seqs, x, valid, pos, win):
     cache = None
     if fresh.numel():
         logits, cache = decoder.cache_mode.start(x[fresh], valid[fresh], pos[fresh], win)
-        pred_f, conf_f = decoder._predict(logits, decoder._no_stop(batch.gen_start[seqs[fresh]], win.lo,
+        pred_f, conf_f, _ = decoder._predict(logits, decoder._no_stop(batch.gen_start[seqs[fresh]], win.lo,
                                                                    logits.shape[1]))
         conf = conf.to(conf_f.dtype)
         pred[fresh], conf[fresh] = pred_f[:, :W], conf_f[:, :W]
@@ -43,7 +44,7 @@ def first_output(decoder, batch, seqs, x, valid, pos, win):
             ahead = (ahead[0], ahead[1].to(conf_f.dtype))
             ahead[0][fresh], ahead[1][fresh] = pred_f[:, W:], conf_f[:, W:]
     step = torch.where(carried, batch.carry_step[seqs], 0)
-    return pred, conf, ahead, cache, (~carried).long(), step
+    return pred, conf, None, ahead, cache, (~carried).long(), step
 
 
 def _by_confidence(conf, masked, step, noise):

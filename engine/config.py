@@ -33,6 +33,7 @@ class DecodeConfig:
     top_p: float
     ignore_eos: bool | None
     min_tokens: int
+    top_logprobs: int
     conf_dtype: str
     static_rows: bool | None
     compile: bool | None
@@ -95,6 +96,9 @@ class DecodeConfig:
         if self.cross_block and self.cache != "none":
             raise InputError(f"--cross-block needs --cache none (with a {self.cache} cache the next block's first "
                              f"call also rebuilds the cache)")
+        if self.top_logprobs and self.cross_block:
+            raise InputError("--top-logprobs is not supported with --cross-block (a block opened from a carried "
+                             "output has no alternatives)")
         if self.cost_profile is not None and self.draft_budget != "auto":
             raise InputError("a cost profile applies to --draft-budget auto only")
         top = max((r for s in self.draft_graph().nodes for r in s), default=-1)

@@ -42,6 +42,7 @@ class LiveUpdate:
     pieces: dict[int, list[int]] = field(default_factory=dict)
     done: dict[int, SequenceResult] = field(default_factory=dict)
     probs: dict[int, list[float]] = field(default_factory=dict)   # the pieces' commit_prob
+    tops: dict[int, list | None] = field(default_factory=dict)    # and commit_top (None without --top-logprobs)
     rows: int = 0                       # sequences in the batch during this call
 
 
@@ -108,10 +109,10 @@ class LiveBatch:
         update, self._ended = self._ended, LiveUpdate()
         update.rows = len(self.handles)
         sent = [self.sent[h] for h in self.handles]
-        pieces, probs = final_pieces(batch, run, self.dec.mc.mask_token_id, sent)
-        for h, n, piece, prob in zip(self.handles, sent, pieces, probs):
+        pieces, probs, tops = final_pieces(batch, run, self.dec.mc.mask_token_id, sent)
+        for h, n, piece, prob, top in zip(self.handles, sent, pieces, probs, tops):
             if piece and h not in self.cancelled:
-                update.pieces[h], update.probs[h] = piece, prob
+                update.pieces[h], update.probs[h], update.tops[h] = piece, prob, top
                 self.sent[h] = n
         return update
 
@@ -149,6 +150,8 @@ class LiveBatch:
                 if rest:
                     self._ended.pieces[h] = self._ended.pieces.get(h, []) + rest
                     self._ended.probs[h] = self._ended.probs.get(h, []) + res.commit_prob[self.sent[h]:]
+                    if res.commit_top is not None:
+                        self._ended.tops[h] = (self._ended.tops.get(h) or []) + res.commit_top[self.sent[h]:]
                 self._ended.done[h] = res
         keep = [b for b in range(len(self.handles)) if b not in set(out)]
         for b in out:

@@ -85,7 +85,8 @@ class Decoder:
         return col[None] < (gen_start + min(self.dc.min_tokens, self.mc.max_length))[:, None]
 
     def _predict(self, logits: torch.Tensor, no_stop: torch.Tensor | None = None):
-        """Top-1 token and confidence [R, W] from logits [R, W, V]; `no_stop` [R, W] (`_no_stop`):
+        """Top-1 token and confidence [R, W] from logits [R, W, V], and with --top-logprobs k the k
+        most likely (id, probability) [R, W, k, 2] (else None); `no_stop` [R, W] (`_no_stop`):
         where the stop tokens' logits are -inf."""
         if self.dc.conf_dtype == "float64":
             logits = logits.double()
@@ -110,15 +111,24 @@ class Decoder:
                     out = (p.cumsum(-1) - p) >= self.dc.top_p       # the mass before it already reaches top_p
                     keep &= ~torch.zeros_like(out).scatter_(-1, order, out)
                 noise = noise.masked_fill(~keep, float("-inf"))
-        return psd_kernels.top1(logits, self.mc.mask_token_id, score=self.dc.score,
-                                temperature=self.dc.temperature, noise=noise)
+        pred, conf = psd_kernels.top1(logits, self.mc.mask_token_id, score=self.dc.score,
+                                      temperature=self.dc.temperature, noise=noise)
+        return pred, conf, self._top(logits) if self.dc.top_logprobs else None
+
+    def _top(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R, W, k, 2] float64: the k most likely (id, untempered probability) of every position,
+        over the distribution the confidence `prob` is taken from (the mask token excluded)."""
+        x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32, copy=True)
+        x[..., self.mc.mask_token_id] = float("-inf")
+        logp, ids = torch.log_softmax(x, dim=-1).topk(min(self.dc.top_logprobs, x.shape[-1] - 1), dim=-1)
+        return torch.stack((ids.double(), logp.exp().double()), dim=-1)
 
     # ------------------------------------------------------------------ batch and blocks
     def _new_batch(self, prompts, gen_lengths: list[int] | None = None) -> Batch:
         """A batch of (checked) prompts; `gen_lengths`: one per prompt (default: the config's)."""
         lengths = gen_lengths or [self.dc.gen_length] * len(prompts)
         batch = new_batch(self.mc, prompts, lengths, self.dc.block_length, self.graph.depth, len(self.graph),
-                          self.model.device)
+                          self.model.device, self.dc.top_logprobs)
         if self.policy.random:           # each sequence's draw at its generated positions
             P, G = batch.prompt_width, max(lengths)
             batch.noise = torch.zeros(batch.x.shape, device=self.model.device)
@@ -138,7 +148,7 @@ class Decoder:
         if seqs.numel() == 0:
             return None
         x, valid, pos = batch.x[seqs], batch.valid[seqs], batch.pos[seqs]
-        pred, conf, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win)
+        pred, conf, top, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win)
         S, dev = seqs.numel(), x.device
         span = slice(lo, lo + win.width + win.ahead)            # --cross-block: drafts reach the next block
 
@@ -154,15 +164,17 @@ class Decoder:
             depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
             nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
             carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
-            noise=None if batch.noise is None else batch.noise[seqs, span])
+            noise=None if batch.noise is None else batch.noise[seqs, span], top=top,
+            commit_top=None if batch.commit_top is None else batch.commit_top[seqs, span])
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
         return run
 
     def _first_output(self, batch: Batch, seqs, x, valid, pos, win):
-        """The block's first output (pred, conf [S, W]), its next-block part, cache, calls made [S]
-        and the step each row starts at (ahead.py: a draft may have taken steps here already)."""
+        """The block's first output (pred, conf [S, W], top [S, W, k, 2] or None), its next-block
+        part, cache, calls made [S] and the step each row starts at (ahead.py: a draft may have
+        taken steps here already)."""
         if self.dc.cross_block:
             return first_output(self, batch, seqs, x, valid, pos, win)
         logits, cache = self.cache_mode.start(x, valid, pos, win)
@@ -182,6 +194,8 @@ class Decoder:
         batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call, run.commit_step
         batch.commit_source[seqs, span], batch.commit_prob[seqs, span] = run.commit_source, run.commit_prob
         batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist, run.nodes_hist
+        if run.commit_top is not None:
+            batch.commit_top[seqs, span] = run.commit_top
         if self.dc.cross_block:
             carry_over(batch, run)
 
@@ -200,6 +214,8 @@ class Decoder:
         run.commit_call[:, :W] = torch.where(commit, run.calls[:, None], run.commit_call[:, :W])
         run.commit_step[:, :W] = torch.where(commit, run.step[:, None], run.commit_step[:, :W])
         run.commit_prob[:, :W] = torch.where(commit, run.conf.double(), run.commit_prob[:, :W])
+        if run.top is not None:
+            run.commit_top[:, :W] = torch.where(commit[..., None, None], run.top, run.commit_top[:, :W])
         run.step = run.step + run.pending.long()
         masked_after = apply_stopping(run, self.stop_ids, self.mc.mask_token_id)
         guard_progress(run, was_pending, masked, masked_after, may_idle)
@@ -253,7 +269,7 @@ class Decoder:
         win, dev, W = run.win, drafts.device, run.win.width
         pair, seq_rows, canvases = self._canvases(run, act, drafts, valid)
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
-        pred, conf = self._predict(logits, self._no_stop(run.gen_start[seq_rows], win.lo, logits.shape[1]))
+        pred, conf, top = self._predict(logits, self._no_stop(run.gen_start[seq_rows], win.lo, logits.shape[1]))
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W,
@@ -268,6 +284,10 @@ class Decoder:
         run.commit_source[act] = torch.where(kept_in, 1, run.commit_source[act])
         drafted_conf = run.conf[act] if E == W else torch.cat((run.conf[act], run.ahead_conf[act].to(run.conf.dtype)), -1)
         run.commit_prob[act] = torch.where(kept_in, drafted_conf.double(), run.commit_prob[act])   # the drafting output's
+        if top is not None:                  # (no --cross-block here: E == W)
+            vtop = top.new_zeros(A * K, E, *top.shape[2:]).index_copy_(0, pair, top[:len(pair), :E])
+            run.commit_top[act] = torch.where(kept_in[..., None, None], run.top[act], run.commit_top[act])
+            run.top[act] = vtop.view(A, K, E, *top.shape[2:])[torch.arange(A, device=dev), best]
         run.depth_hist[act] = run.depth_hist[act].scatter_add(1, run.plan.node_size[best][:, None],
                                                               torch.ones_like(best)[:, None])
         run.nodes_hist[act, K] += 1
@@ -323,7 +343,8 @@ class Decoder:
         the tokens that became final with that call (the left-most fully committed prefix grows;
         tokens committed out of order inside a block wait for the masks before them). The last
         update also carries the `SequenceResult`s; its pieces end every sequence, so the pieces
-        of a sequence concatenate to exactly its `token_ids` (and their `probs` to its `commit_prob`).
+        of a sequence concatenate to exactly its `token_ids` (their `probs` to its `commit_prob`, their
+        `tops` to its `commit_top`).
         Reads back [B] values per call."""
         prompts = self.check_prompts(prompts)
         t0 = time.perf_counter()
@@ -331,11 +352,12 @@ class Decoder:
         sent = [0] * len(prompts)
         with torch.no_grad():
             for _, run in self._decode(batch):
-                pieces, probs = final_pieces(batch, run, self.mc.mask_token_id, sent)
-                yield StreamUpdate(pieces, probs=probs)
+                pieces, probs, tops = final_pieces(batch, run, self.mc.mask_token_id, sent)
+                yield StreamUpdate(pieces, probs=probs, tops=tops)
         results = collect_results(batch, self.dc.block_length, time.perf_counter() - t0)
         pieces = [r.token_ids[n:] for r, n in zip(results, sent)]
-        yield StreamUpdate(pieces, results, [r.commit_prob[n:] for r, n in zip(results, sent)])
+        yield StreamUpdate(pieces, results, [r.commit_prob[n:] for r, n in zip(results, sent)],
+                           [None if r.commit_top is None else r.commit_top[n:] for r, n in zip(results, sent)])
 
     @torch.no_grad()
     def generate(self, prompts) -> list[SequenceResult]:

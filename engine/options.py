@@ -33,6 +33,7 @@ def join(names) -> str:
 # model vanish against the noise (the sample is uniform over the vocabulary, as it is at every larger
 # value); below MIN_TEMPERATURE (but > 0) logits / T overflows float32 to inf and 0 / T to NaN.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e4
+MAX_TOP_LOGPROBS = 20          # alternatives per committed token (vLLM's default cap, OpenAI's chat limit)
 
 
 def _at_least(lo: int):
@@ -166,6 +167,10 @@ for _o in (
     Option("min_tokens", int, "no stop token in a sequence's first N generated positions (their logits are -inf "
            "there), so no answer ends before N tokens (0: off; N >= gen length: --ignore-eos)", 0, "--min-tokens",
            check=_at_least(0), general=True, metavar="N"),
+    Option("top_logprobs", int, "also record, per committed token, the k most likely tokens and their probabilities "
+           "in the output that committed it (SequenceResult.commit_top; 0: off)", 0, "--top-logprobs",
+           check=_between(0, MAX_TOP_LOGPROBS, "the most alternatives recorded per token"), general=True,
+           metavar="K"),
     Option("conf_dtype", str, "dtype of the confidence computation (float64 for parity with references)",
            "float32", "confidence dtype", choices=CONF_DTYPES, general=True),
     Option("static_rows", bool, "pad every verification call of a block to the block's rows times the graph's "

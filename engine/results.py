@@ -23,6 +23,8 @@ class SequenceResult:
     commit_prob: list[float]      # per generated token: its confidence in the output that committed it (its
                                   # probability with --score prob, the default; untempered when sampled)
     commit_block: list[int]       # per generated token: its block index
+    commit_top: list[list[tuple[int, float]]] | None = None   # --top-logprobs k: per generated token, the k most
+                                  # likely (id, probability) in the output that committed it, most likely first
     accepted_depth: dict[int, int] = field(default_factory=dict)  # |S_k*| of the kept node per verification call
     draft_nodes: dict[int, int] = field(default_factory=dict)     # graph nodes verified (root incl.) per such call
     text: str | None = None
@@ -31,6 +33,8 @@ class SequenceResult:
         d = {k: getattr(self, k) for k in ("text", "token_ids", "calls", "tokens", "tpf", "seconds", "rows_per_call",
                                            "stopped", "commit_call", "commit_step", "commit_source", "commit_block",
                                            "commit_prob")}
+        if self.commit_top is not None:
+            d["commit_top"] = [[list(t) for t in top] for top in self.commit_top]
         d["accepted_depth"] = {str(k): v for k, v in sorted(self.accepted_depth.items())}
         d["draft_nodes"] = {str(k): v for k, v in sorted(self.draft_nodes.items())}
         return d
@@ -43,6 +47,7 @@ class StreamUpdate:
     pieces: list[list[int]]                          # per sequence: token ids that became final
     results: list[SequenceResult] | None = None      # the last update only: what generate returns
     probs: list[list[float]] | None = None           # per sequence: those tokens' commit_prob
+    tops: list[list | None] | None = None            # per sequence: their commit_top (--top-logprobs), else None
 
 
 def aggregate(results: list[SequenceResult]) -> dict:
@@ -75,6 +80,7 @@ def collect_results(batch, block_length: int, seconds, rows=None) -> list[Sequen
     calls, n_rows, stop_at = batch.calls[idx].tolist(), batch.rows[idx].tolist(), batch.stop_at[idx].tolist()
     c_call, c_step, c_src = batch.commit_call[idx].cpu(), batch.commit_step[idx].cpu(), batch.commit_source[idx].cpu()
     c_prob = batch.commit_prob[idx].cpu()
+    c_top = None if batch.commit_top is None else batch.commit_top[idx].cpu()
     depth_hist, nodes_hist = batch.depth_hist[idx].tolist(), batch.nodes_hist[idx].tolist()
     secs = seconds if isinstance(seconds, (list, tuple)) else [seconds] * len(rows)
     out = []
@@ -87,10 +93,17 @@ def collect_results(batch, block_length: int, seconds, rows=None) -> list[Sequen
             token_ids=x[b, span].tolist(), calls=ncall, tokens=n, tpf=n / max(ncall, 1), seconds=secs[b],
             rows_per_call=n_rows[b] / max(ncall, 1), stopped=stop_at[b] >= 0,
             commit_call=c_call[b, span].tolist(), commit_step=c_step[b, span].tolist(),
-            commit_source=c_src[b, span].tolist(), commit_prob=c_prob[b, span].tolist(), commit_block=[i // block_length for i in range(n)],
+            commit_source=c_src[b, span].tolist(), commit_prob=c_prob[b, span].tolist(),
+            commit_block=[i // block_length for i in range(n)],
+            commit_top=None if c_top is None else _tops(c_top[b, span]),
             accepted_depth={d: int(c) for d, c in enumerate(depth_hist[b]) if c},
             draft_nodes={k: int(c) for k, c in enumerate(nodes_hist[b]) if c}))
     return out
+
+
+def _tops(t: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """[n, k, 2] float64 (id, probability) -> per position, k (int id, float) pairs."""
+    return [[(int(i), p) for i, p in row] for row in t.tolist()]
 
 
 def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,19 +120,27 @@ def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, end - batch.gen_start
 
 
-def final_pieces(batch, run, mask_id: int, sent: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+def final_pieces(batch, run, mask_id: int, sent: list[int]):
     """Tokens of every sequence that are final now and were not sent yet (updates `sent`): the
     generation up to its first masked position, or up to its stop token; and their commit_prob
-    (a final token's is final too). Reads back [B] lengths and the new tokens (streaming and
-    continuous batching only; generate never calls this)."""
+    and commit_top (None without --top-logprobs; a final token's are final too). Returns (pieces,
+    probs, tops), a list each. Reads back [B] lengths and the new tokens (streaming and continuous
+    batching only; generate never calls this)."""
     x, final = final_lengths(batch, run, mask_id)
+    span = slice(run.win.lo, run.win.lo + run.commit_prob.shape[1])
     prob = batch.commit_prob.clone()
-    prob[run.seqs, run.win.lo:run.win.lo + run.commit_prob.shape[1]] = run.commit_prob    # the open block's rows
+    prob[run.seqs, span] = run.commit_prob                                # the open block's rows
+    top = None
+    if batch.commit_top is not None:
+        top = batch.commit_top.clone()
+        top[run.seqs, span] = run.commit_top
     final, start = torch.stack((final, batch.gen_start)).tolist()      # one read
-    pieces, probs = [], []
+    pieces, probs, tops = [], [], []
     for b, n in enumerate(final):
         new = slice(start[b] + sent[b], start[b] + n)
-        pieces.append(x[b, new].tolist() if n > sent[b] else [])
-        probs.append(prob[b, new].tolist() if n > sent[b] else [])
+        fresh = n > sent[b]                          # rows with nothing new read nothing
+        pieces.append(x[b, new].tolist() if fresh else [])
+        probs.append(prob[b, new].tolist() if fresh else [])
+        tops.append(None if top is None else _tops(top[b, new]) if fresh else [])
         sent[b] = max(sent[b], n)
-    return pieces, probs
+    return pieces, probs, tops

@@ -42,6 +42,9 @@ class Batch:
     carry_step: torch.Tensor       # [B] the step inside the next block its kept draft reached
     noise: torch.Tensor | None = None   # [B, N] a random policy's draw per generated position (Policy.random)
     pad_id: int = 0                # the token at padded columns (never the mask id)
+    commit_top: torch.Tensor | None = None   # [B, N, k, 2] float64 (--top-logprobs k): per position, the
+                                             # (id, probability) of the k most likely tokens in the output
+                                             # that committed it (ids exact in float64), most likely first
 
     @property
     def end(self) -> int:
@@ -52,7 +55,7 @@ class Batch:
     def _columns(self):
         """(name, value at a padded column) of every [B, N] tensor."""
         return (("x", self.pad_id), ("valid", False), ("commit_call", -1), ("commit_step", -1),
-                ("commit_source", 0), ("commit_prob", 0.0), ("noise", 0.0))
+                ("commit_source", 0), ("commit_prob", 0.0), ("noise", 0.0), ("commit_top", 0.0))
 
     def _rows(self):
         return ("gen_start", "gen_len", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
@@ -77,7 +80,8 @@ class Batch:
             if v is None:
                 continue
             v = v[:, max(0, -left):N - max(0, -right)]
-            parts = [v.new_full((B, max(0, left)), fill), v, v.new_full((B, max(0, right)), fill)]
+            parts = [v.new_full((B, max(0, left), *v.shape[2:]), fill), v,
+                     v.new_full((B, max(0, right), *v.shape[2:]), fill)]
             kw[name] = torch.cat(parts, 1)
         kw["gen_start"] = self.gen_start + left
         kw["stop_at"] = torch.where(self.stop_at >= 0, self.stop_at + left, self.stop_at)
@@ -142,15 +146,17 @@ class BlockRun:
     ahead_step: torch.Tensor | None = None   # [S] the kept draft's step inside the next block (0: none)
     ahead_ok: torch.Tensor | None = None     # [S] bool: ahead_* hold the latest output's next block
     noise: torch.Tensor | None = None        # [S, W + ahead] a random policy's draw (Batch.noise)
+    top: torch.Tensor | None = None          # [S, W, k, 2] the latest output's k most likely (id, prob) (--top-logprobs)
+    commit_top: torch.Tensor | None = None   # [S, W, k, 2] as Batch.commit_top
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
 
 
 def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_length: int, depth: int,
-              nodes: int, device) -> Batch:
+              nodes: int, device, top_logprobs: int = 0) -> Batch:
     """Prompts left-padded to one width, then `gen_length` masks (one length, or one per prompt:
-    shorter ones are right-padded); every statistic at zero."""
+    shorter ones are right-padded); every statistic at zero (`commit_top` only with `top_logprobs`)."""
     B, P = len(prompts), max(len(p) for p in prompts)
     lengths = [gen_length] * B if isinstance(gen_length, int) else list(gen_length)
     G = max(lengths)
@@ -170,4 +176,5 @@ def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_l
                  stop_at=zeros(B) - 1, commit_call=zeros(B, P + G) - 1, commit_step=zeros(B, P + G) - 1,
                  commit_source=zeros(B, P + G), commit_prob=zeros(B, P + G, dtype=torch.float64), depth_hist=zeros(B, depth + 1), nodes_hist=zeros(B, nodes + 1),
                  carry_pred=zeros(B, block_length), carry_conf=zeros(B, block_length, dtype=torch.float32),
-                 carry_ok=zeros(B, dtype=torch.bool), carry_step=zeros(B), pad_id=pad)
+                 carry_ok=zeros(B, dtype=torch.bool), carry_step=zeros(B), pad_id=pad,
+                 commit_top=zeros(B, P + G, top_logprobs, 2, dtype=torch.float64) if top_logprobs else None)

@@ -211,7 +211,7 @@ BAD = [  # (body changes, status, words the message must hold)
     ({"max_tokens": 250}, 400, "maximum length 256"),
     ({"n": 0}, 400, "n must be >= 1"),
     ({"top_p": 1.5}, 400, "top-p"),
-    ({"logprobs": 2}, 400, "logprobs"),
+    ({"logprobs": 21}, 400, "logprobs must be <= 20"),
     ({"echo": "yes"}, 400, "echo must be a boolean"),
     ({"temperature": -1}, 400, "temperature must be finite and >= 0"),
     ({"seed": -3}, 400, "seed"),

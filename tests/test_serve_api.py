@@ -1,5 +1,5 @@
 """engine.serve's API breadth and operations (issue 23, items 2 and 3), through the real `openai`
-client: n > 1, prompt lists, top_p/top_k, logprobs (streamed too), echo, ignore_eos, min_tokens, unknown fields
+client: n > 1, prompt lists, top_p/top_k, logprobs and top alternatives (streamed too), echo, ignore_eos, min_tokens, unknown fields
 (ignored with a header; refused with --strict), a random seed per unseeded sampled request, the
 `psd` object of every answer, --api-key, /metrics, /version and --help.
 
@@ -206,15 +206,49 @@ def test_logprobs(server, engine_ref):
     content = c.choices[0].logprobs.content
     assert "".join(t.token for t in content) == c.choices[0].message.content
     assert all(t.logprob <= 0 and t.top_logprobs == [] and bytes(t.bytes).decode() == t.token for t in content)
-    for call, words in [(lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=2),
-                         "logprobs 2 is not supported"),
-                        (lambda: client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
-                                                                logprobs=True, top_logprobs=2),
-                         "top_logprobs are not supported"),
+    chat = lambda **kw: client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],  # noqa: E731
+                                                       max_tokens=8, **kw)
+    for call, words in [(lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=21),
+                         "logprobs must be <= 20"),
+                        (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs must be <= 20"),
+                        (lambda: chat(top_logprobs=2), "top_logprobs needs logprobs: true"),
+                        (lambda: chat(logprobs=True, top_logprobs=-1), "top_logprobs must be an integer >= 0"),
+                        (lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=2,
+                                                           extra_body={"method": "psd", "cross_block": True}),
+                         "--top-logprobs is not supported with --cross-block"),
                         (lambda: client.completions.create(model=NAME, prompt="x", max_tokens=8, logprobs=0,
                                                            extra_body={"score": "margin"}), "score prob")]:
         with pytest.raises(openai.BadRequestError, match=re.escape(words)):
             call()
+
+
+def test_top_logprobs(server, engine_ref):
+    """logprobs: k (completions) / top_logprobs: k (chat): the k most likely tokens of the output
+    that committed each token, the engine's commit_top; the first is the token itself (temperature
+    0), streamed chunks carry the same."""
+    client = server.client()
+    res, _ = engine_ref(PROMPTS[0], 24, top_logprobs=3)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    tok = engine_ref.tok
+    assert len(lp.top_logprobs) == n and all(len(d) <= 3 for d in lp.top_logprobs)
+    for t, lpt, top, want in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, res.commit_top[:n]):
+        assert top[t] == lpt                                         # the chosen token is the most likely
+        first = {}                                                   # by text, the more likely of two alike
+        for i, p in want:
+            first.setdefault(tok.decode([i]), math.log(p))
+        assert top == pytest.approx(first, abs=1e-5)
+    got = []
+    for ch in client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, logprobs=3, stream=True):
+        for c in ch.choices:
+            got += c.logprobs.top_logprobs if c.logprobs is not None else []
+    assert got == lp.top_logprobs
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                       max_tokens=16, logprobs=True, top_logprobs=2)
+    for e in c.choices[0].logprobs.content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
 
 
 def _streamed_logprobs(stream):

@@ -19,21 +19,23 @@ class Answer:
         self.min_tokens = min_tokens
         self.tokens: list[int] = []
         self.probs: list[float] = []     # each token's commit_prob (what logprobs report)
+        self.tops: list = []             # each token's commit_top (its alternatives), or None
         self.reported = 0                # tokens whose logprobs were streamed
         self.shown = ""
         self.done = False
         self.finish_reason = None
         self.completion_tokens = 0
 
-    def add(self, piece: list[int], probs: list[float] | None = None) -> str:
+    def add(self, piece: list[int], probs: list[float] | None = None, tops: list | None = None) -> str:
         if self.done:
             return ""
         self.tokens += piece
         self.probs += probs if probs is not None else [float("nan")] * len(piece)
+        self.tops += tops if tops is not None else [None] * len(piece)
         return self._update(final=False)
 
-    def unreported(self) -> tuple[list[int], list[float]]:
-        """The tokens (and probabilities) whose text is shown now and whose logprobs were not
+    def unreported(self) -> tuple[list[int], list[float], list]:
+        """The tokens (probabilities, alternatives) whose text is shown now and whose logprobs were not
         streamed yet: all of the answer's `completion_tokens` once it is complete, so the streamed
         logprobs concatenate to those of the whole answer."""
         if self.done:
@@ -42,9 +44,9 @@ class Answer:
             end = self.reported
             while end < len(self.tokens) and self.shown.startswith(self.tok.decode(self.tokens[:end + 1])):
                 end += 1
-        ids, probs = self.tokens[self.reported:end], self.probs[self.reported:end]
+        ids, probs, tops = self.tokens[self.reported:end], self.probs[self.reported:end], self.tops[self.reported:end]
         self.reported = max(self.reported, end)
-        return ids, probs
+        return ids, probs, tops
 
     def finish(self) -> str:
         """All tokens are in (the decoder ended): the rest of the text."""

@@ -73,8 +73,6 @@ NEUTRAL = {            # field -> (is the value neutral?, what the message says)
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty is not supported (only 0)"),
     "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "frequency_penalty is not supported (only 0)"),
     "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
-    "top_logprobs": (lambda v: v == 0 and not isinstance(v, bool),
-                     "top_logprobs are not supported (only 0: the log-prob of each committed token)"),
     "suffix": (lambda v: v == "", "suffix (insertion) is not supported"),
     "tools": (lambda v: v == [], "tools are not supported"),
     "functions": (lambda v: v == [], "functions are not supported"),

@@ -323,11 +323,11 @@ class Run:
     def stream_logprobs(self, i) -> dict | None:
         """The logprobs of choice i's tokens that were not streamed yet and whose text is out
         (None if there are none); their text offsets continue the choice's."""
-        ids, probs = self.answers[i].unreported()
+        ids, probs, tops = self.answers[i].unreported()
         if not ids:
             return None
         spec = self.jobs[i].spec
-        out, self.offsets[i] = logprob_entries(self.server, spec.chat, ids, probs, self.offsets[i])
+        out, self.offsets[i] = logprob_entries(self.server, spec, ids, probs, tops, self.offsets[i])
         return out
 
     def cancel(self) -> None:
@@ -473,21 +473,42 @@ async def collect(run: Run, request):
 
 def token_logprobs(server, spec, answer: Answer, res) -> dict:
     """OpenAI's logprobs of one choice from the engine's probability of each committed token (the
-    probability under the model output that committed it); no top alternatives."""
+    probability under the model output that committed it) and its alternatives in that output."""
     n = answer.completion_tokens
-    return logprob_entries(server, spec.chat, res.token_ids[:n], res.commit_prob[:n], len(spec.echo))[0]
+    tops = res.commit_top[:n] if res.commit_top is not None else [None] * n
+    return logprob_entries(server, spec, res.token_ids[:n], res.commit_prob[:n], tops, len(spec.echo))[0]
 
 
-def logprob_entries(server, chat: bool, ids: list[int], probs: list[float], offset: int) -> tuple[dict, int]:
+def _by_text(alt: list[tuple[str, float]]) -> dict[str, float]:
+    """Completions key alternatives by their text, most likely first; where two decode alike, the
+    more likely one's log-prob stays."""
+    out: dict[str, float] = {}
+    for text, lp in alt:
+        out.setdefault(text, lp)
+    return out
+
+
+def _logprob(p: float) -> float:
+    return math.log(p) if p > 0 else -9999.0
+
+
+def logprob_entries(server, spec, ids: list[int], probs: list[float], tops: list, offset: int) -> tuple[dict, int]:
     """The logprobs object of these tokens (chat's `content` list, or completions' parallel lists
-    with text offsets from `offset`) and the offset after them."""
-    tokens = [server.tok.decode([t]) for t in ids]
-    lps = [math.log(p) if p > 0 else -9999.0 for p in probs]
-    if chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                            for t, lp in zip(tokens, lps)]}, offset
+    with text offsets from `offset`) and the offset after them. `tops`: per token its (id, prob)
+    alternatives, most likely first, or None; the request's count of them is reported."""
+    k = spec.config.top_logprobs
+    text = server.tok.decode
+    tokens = [text([t]) for t in ids]
+    lps = [_logprob(p) for p in probs]
+    alts = [[(text([i]), _logprob(p)) for i, p in (top or [])[:k]] for top in tops]
+    if spec.chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))}
+                                              for a, alp in alt]}
+                            for t, lp, alt in zip(tokens, lps, alts)]}, offset
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}, offset
+    top_logprobs = [_by_text(alt) for alt in alts] if k else None
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_logprobs, "text_offset": offsets}, offset

@@ -15,7 +15,7 @@ from models import CheckpointError, ModelConfig, Tokenizer
 from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device
 from ..config import DecodeConfig, check_prompts
 from ..errors import InputError
-from ..options import OPTIONS
+from ..options import MAX_TOP_LOGPROBS, OPTIONS
 from ..results import SequenceResult
 from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_N, NEUTRAL, ApiError, Spec, bad, int_field,
                        merge_options, one_line, request_options, short, size_problem, stop_field)
@@ -168,38 +168,45 @@ class Server:
                 check_prompts(self.mc, config, [ids])
                 if config.min_tokens > cut:
                     raise bad(f"min_tokens {config.min_tokens} exceeds max_tokens {cut}", "min_tokens")
-                if logprobs and config.score != "prob":
+                if logprobs is not None and config.score != "prob":
                     raise bad(f"logprobs need the confidence score prob (this request decodes with score "
                               f"{config.score}: its per-token figures are not probabilities)", "logprobs")
+                # alternatives are recorded only for a request that reports them (a reporting option)
+                config = config.replace(top_logprobs=logprobs or None)
                 shown = "" if not echo else text if text is not None else self.tok.decode(ids)
                 for j in range(n):
                     # temperature 0: every sample is the same answer; else sample j is seeded seed + j
                     cfg = config.replace(seed=(seed + j) % 2 ** 64) if sampled else config
                     specs.append(Spec(ids, cfg, cut, stop, bool(stream), bool((so or {}).get("include_usage")),
-                                      chat, index=i * n + j, sample=j, echo=shown, logprobs=logprobs,
+                                      chat, index=i * n + j, sample=j, echo=shown, logprobs=logprobs is not None,
                                       ignored=tuple(ignored or ())))
         except InputError as e:
             raise bad(str(e).replace("prompt 0 ", "the prompt ", 1)) from None
         return specs
 
-    def _logprobs_field(self, body: dict, chat: bool) -> bool:
-        """Completions: logprobs is a count of top alternatives (0: the chosen token's own);
-        chat: a boolean (top_logprobs is checked with the neutral fields)."""
+    def _logprobs_field(self, body: dict, chat: bool) -> int | None:
+        """How many top alternatives a request's logprobs ask for per token (0: the chosen token's
+        own log-prob only), or None when it asks for no logprobs. Completions: `logprobs` is that
+        count; chat: `logprobs` is a boolean and `top_logprobs` the count."""
         v = body.get("logprobs")
+        top = body.get("top_logprobs") if chat else v
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+            name = "top_logprobs" if chat else "logprobs"
+            raise bad(f"{name} must be an integer >= 0, got {short(json.dumps(top), 30)}", name)
+        if top is not None and top > MAX_TOP_LOGPROBS:
+            name = "top_logprobs" if chat else "logprobs"
+            raise bad(f"{name} must be <= {MAX_TOP_LOGPROBS} (alternatives per token), got {short(str(top), 30)}",
+                      name)
+        if chat and v is not None and not isinstance(v, bool):
+            raise bad("logprobs must be a boolean", "logprobs")
         if v is None or v is False:
-            return False
-        if chat:
-            if v is not True:
-                raise bad("logprobs must be a boolean", "logprobs")
-        elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise bad(f"logprobs must be an integer >= 0, got {short(json.dumps(v), 30)}", "logprobs")
-        elif v > 0:
-            raise bad(f"logprobs {short(str(v), 30)} is not supported: only 0 (the log-prob of each committed "
-                      f"token; no top alternatives)", "logprobs", "unsupported")
+            if chat and top:
+                raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
         if not LOGPROBS:
             raise bad("logprobs are not supported by this engine version (no per-token probabilities)",
                       "logprobs", "unsupported")
-        return True
+        return top or 0
 
     def _prompt_list(self, prompt, n: int) -> list[tuple[list[int], str]]:
         """(token ids, text) of every prompt of a completion request: a string, a list of token ids, or a

@@ -163,11 +163,11 @@ class Scheduler:
                     return
                 self.stats["calls"] += update.results is None     # one update per model call, then the end
                 live = False
-                for j, piece, probs in zip(batch, update.pieces, update.probs):
+                for j, piece, probs, tops in zip(batch, update.pieces, update.probs, update.tops):
                     if not j.cancelled:
                         live = True
                         if piece:
-                            j.push("tokens", (piece, probs))
+                            j.push("tokens", (piece, probs, tops))
                 if update.results is not None:
                     for j, res in zip(batch, update.results):
                         if not j.cancelled:
@@ -272,7 +272,7 @@ class Scheduler:
             j = live.jobs.get(h)
             if j is not None and not j.cancelled:
                 j.batch_size = max(j.batch_size, update.rows)
-                j.push("tokens", (piece, update.probs[h]))
+                j.push("tokens", (piece, update.probs[h], update.tops.get(h)))
         for h, res in update.done.items():
             j = live.jobs.pop(h, None)
             if j is not None and not j.cancelled:
