@@ -156,7 +156,8 @@ class Decoder:
             return torch.zeros(S, dtype=dtype, device=dev)
 
         run = BlockRun(
-            index=index, seqs=seqs, win=win, gen_start=batch.gen_start[seqs], x=x, valid=valid, pos=pos, cache=cache, pred=pred, conf=conf,
+            index=index, seqs=seqs, win=win, gen_start=batch.gen_start[seqs], x=x, valid=valid, pos=pos,
+            cache=cache, pred=pred, conf=conf,
             calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
             pending=zeros(torch.bool) | True, commit_call=batch.commit_call[seqs, span],
             commit_step=batch.commit_step[seqs, span], commit_source=batch.commit_source[seqs, span],
