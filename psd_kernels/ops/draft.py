@@ -121,34 +121,41 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)  # bool and uint8 share a layout; kernels read/write bytes
 
 
+def _launch_ranking(kernel, name: str, conf: torch.Tensor, masked: torch.Tensor,
+                    out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared launcher of the two ranking kernels: checks, `(name [B, L], n_masked [B])`
+    outputs (allocated or the caller's), one program per row."""
+    B, L = check_rank_args(conf, masked)
+    check_device(conf, masked)
+    if out is None:
+        result = torch.empty(B, L, dtype=torch.int64, device=conf.device)
+        n_masked = torch.empty(B, dtype=torch.int64, device=conf.device)
+    else:
+        check_out_pair(out, (name, "n_masked"))
+        result = check_out(out[0], name, (B, L), torch.int64, conf.device)
+        n_masked = check_out(out[1], "n_masked", (B,), torch.int64, conf.device)
+    if B == 0:
+        return result, n_masked
+    if L == 0:
+        n_masked.zero_()
+        return result, n_masked
+    block_l, block_j, _, num_warps = launch_config(L)
+    m = _u8(masked)
+    kernel[(B,)](
+        conf, m, result, n_masked,
+        conf.stride(0), conf.stride(1), m.stride(0), m.stride(1), result.stride(0), result.stride(1), n_masked.stride(0),
+        L,
+        BLOCK_L=block_l, BLOCK_J=block_j, num_warps=num_warps,
+    )
+    return result, n_masked
+
+
 def rank_positions(
     conf: torch.Tensor,
     masked: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    B, L = check_rank_args(conf, masked)
-    check_device(conf, masked)
-    if out is None:
-        order = torch.empty(B, L, dtype=torch.int64, device=conf.device)
-        n_masked = torch.empty(B, dtype=torch.int64, device=conf.device)
-    else:
-        check_out_pair(out, ("order", "n_masked"))
-        order = check_out(out[0], "order", (B, L), torch.int64, conf.device)
-        n_masked = check_out(out[1], "n_masked", (B,), torch.int64, conf.device)
-    if B == 0:
-        return order, n_masked
-    if L == 0:
-        n_masked.zero_()
-        return order, n_masked
-    block_l, block_j, _, num_warps = launch_config(L)
-    m = _u8(masked)
-    _rank_positions_kernel[(B,)](
-        conf, m, order, n_masked,
-        conf.stride(0), conf.stride(1), m.stride(0), m.stride(1), order.stride(0), order.stride(1), n_masked.stride(0),
-        L,
-        BLOCK_L=block_l, BLOCK_J=block_j, num_warps=num_warps,
-    )
-    return order, n_masked
+    return _launch_ranking(_rank_positions_kernel, "order", conf, masked, out)
 
 
 def position_ranks(
@@ -156,29 +163,7 @@ def position_ranks(
     masked: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    B, L = check_rank_args(conf, masked)
-    check_device(conf, masked)
-    if out is None:
-        ranks = torch.empty(B, L, dtype=torch.int64, device=conf.device)
-        n_masked = torch.empty(B, dtype=torch.int64, device=conf.device)
-    else:
-        check_out_pair(out, ("ranks", "n_masked"))
-        ranks = check_out(out[0], "ranks", (B, L), torch.int64, conf.device)
-        n_masked = check_out(out[1], "n_masked", (B,), torch.int64, conf.device)
-    if B == 0:
-        return ranks, n_masked
-    if L == 0:
-        n_masked.zero_()
-        return ranks, n_masked
-    block_l, block_j, _, num_warps = launch_config(L)
-    m = _u8(masked)
-    _position_ranks_kernel[(B,)](
-        conf, m, ranks, n_masked,
-        conf.stride(0), conf.stride(1), m.stride(0), m.stride(1), ranks.stride(0), ranks.stride(1), n_masked.stride(0),
-        L,
-        BLOCK_L=block_l, BLOCK_J=block_j, num_warps=num_warps,
-    )
-    return ranks, n_masked
+    return _launch_ranking(_position_ranks_kernel, "ranks", conf, masked, out)
 
 
 def assemble_drafts(
