@@ -285,12 +285,13 @@ def _run(args) -> int:
     seen = {}
     for name, opts in specs:                        # every spec is checked before the first one runs
         cfg = method_config(name, opts, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
-        same = next((label for label, other in seen.items() if other == cfg), None)
+        label = spec_label(cfg, opts)
+        same = next((other for other, c in seen.items() if c == cfg), None)
         if same is not None:
-            raise InputError(f"the method specs {same} and {spec_label(cfg, opts)} decode the same configuration "
+            raise InputError(f"the method specs {same} and {label} decode the same configuration "
                              f"(with --cache {args.cache}, --gen-length {args.gen_length}, --block-length "
                              f"{args.block_length}); give each once")
-        seen[spec_label(cfg, opts)] = cfg
+        seen[label] = cfg
     data = f"--data {args.data}" if args.data else f"the {args.task} data"
     problems = _load_problems(task, args.data, args.limit, data)
     if not problems:

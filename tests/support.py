@@ -1,5 +1,6 @@
 """Helpers several test modules share: a command-line `main` run in-process, random model inputs,
-a free port, and `engine.serve` in a subprocess (the shipped model in fp32 on the CPU, one thread)."""
+a continuous batch fed on a schedule, a free port, and `engine.serve` in a subprocess (the shipped
+model in fp32 on the CPU, one thread)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "default"
@@ -38,6 +40,39 @@ def random_canvas(cfg, lengths: list[int], n_gen: int, seed: int = 0):
     for b, n in enumerate(lengths):
         valid[b, P - n:] = True
     return ids, valid, P
+
+
+def run_live(dec, prompts, schedule, max_rows=None, cancel=None) -> SimpleNamespace:
+    """Feed `schedule` [(prompt index, gen length or None, step)] into an `engine.live.LiveBatch`
+    over decoder `dec` (each added before that step's model call; `cancel` = (prompt index, step))
+    and step it until it is idle. Returns `done` (results by prompt index), `pieces` and `tops`
+    (streamed, by prompt index), `order` (done order), `rows` (rows per call) and `live`."""
+    from engine.live import LiveBatch
+
+    live = LiveBatch(dec, max_rows=max_rows)
+    out = SimpleNamespace(done={}, pieces={}, tops={}, order=[], rows=[], live=live)
+    index_of = {}
+    pending = sorted(schedule, key=lambda s: s[2])
+    step = 0
+    while True:
+        while pending and pending[0][2] <= step:
+            i, g, _ = pending.pop(0)
+            index_of[live.add(prompts[i], gen_length=g)] = i
+        if cancel is not None and step == cancel[1]:
+            live.cancel(next(h for h, i in index_of.items() if i == cancel[0]))
+        update = live.step()
+        step += 1
+        if update is None:
+            if not pending:
+                return out
+            continue
+        out.rows.append(update.rows)
+        for h, p in update.pieces.items():
+            out.pieces.setdefault(index_of[h], []).extend(p)
+            out.tops.setdefault(index_of[h], []).extend(update.tops.get(h) or [])
+        for h, r in update.done.items():
+            out.done[index_of[h]] = r
+            out.order.append(index_of[h])
 
 
 def free_port() -> int:

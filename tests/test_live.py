@@ -4,11 +4,11 @@ for every method family and cache mode, and the streamed pieces are its tokens."
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import DecodeConfig, Decoder, InputError
 from engine.live import LiveBatch
 from models import ModelConfig, init_random
+from support import run_live
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [30, 31]]
 G, L = 32, 8
@@ -33,40 +33,13 @@ def model(request):
     return init_random(cfg, seed=5, std=0.5).double()
 
 
-def _run_live(dec, schedule, max_rows=None, cancel=None):
-    """Feed the schedule into a LiveBatch; returns (results by prompt index, pieces, done order, rows seen)."""
-    live = LiveBatch(dec, max_rows=max_rows)
-    handle_of, pieces, done, order, rows = {}, {}, {}, [], []
-    pending = sorted(schedule, key=lambda s: s[2])
-    step = 0
-    while True:
-        while pending and pending[0][2] <= step:
-            i, g, _ = pending.pop(0)
-            handle_of[live.add(PROMPTS[i], gen_length=g)] = i
-        if cancel is not None and step == cancel[1]:
-            live.cancel(next(h for h, i in handle_of.items() if i == cancel[0]))
-        update = live.step()
-        if update is None:
-            if not pending:
-                break
-            step += 1
-            continue
-        rows.append(update.rows)
-        step += 1
-        for h, p in update.pieces.items():
-            pieces.setdefault(handle_of[h], []).extend(p)
-        for h, r in update.done.items():
-            done[handle_of[h]] = r
-            order.append(handle_of[h])
-    return done, pieces, order, rows, live
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_each_sequence_decodes_as_it_would_alone(model, case):
     if case.get("cache") == "prefix" and model.config.attention != "context_causal":
         case = {**case, "cache": "dual"}
     dec = Decoder(model, DecodeConfig(gen_length=G, block_length=L, **case))
-    done, pieces, _, rows, _ = _run_live(dec, SCHEDULE, max_rows=3)
+    run = run_live(dec, PROMPTS, SCHEDULE, max_rows=3)
+    done, pieces, rows = run.done, run.pieces, run.rows
     assert sorted(done) == list(range(len(SCHEDULE)))
     assert max(rows) <= 3 and max(rows) >= 2                     # rows were batched together, never more than 3
     for i, g, _ in SCHEDULE:
@@ -85,7 +58,7 @@ def test_cross_block_drafts_in_a_live_batch(model):
         pytest.skip("--cross-block needs a bidirectional model")
     case = dict(method="psd", policy_name="confidence", depth=3, cross_block=True)
     dec = Decoder(model, DecodeConfig(gen_length=G, block_length=L, **case))
-    done, _, _, _, _ = _run_live(dec, SCHEDULE)
+    done = run_live(dec, PROMPTS, SCHEDULE).done
     for i, g, _ in SCHEDULE:
         alone = Decoder(model, DecodeConfig(gen_length=g, block_length=L, **case)).generate([PROMPTS[i]])[0]
         assert (done[i].token_ids, done[i].calls) == (alone.token_ids, alone.calls)
@@ -95,7 +68,8 @@ def test_a_late_short_request_finishes_before_an_earlier_long_one():
     m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5,
                     std=0.02)       # quiet: nothing stops early, so lengths decide
     dec = Decoder(m, DecodeConfig(method="greedy", gen_length=64, block_length=8))
-    done, _, order, _, _ = _run_live(dec, [(0, 64, 0), (1, 8, 3)])
+    run = run_live(dec, PROMPTS, [(0, 64, 0), (1, 8, 3)])
+    done, order = run.done, run.order
     assert order == [1, 0]
     assert done[1].tokens == 8 and done[0].tokens == 64
 
@@ -103,7 +77,8 @@ def test_a_late_short_request_finishes_before_an_earlier_long_one():
 def test_cancelled_sequence_leaves_and_the_others_are_unchanged(model):
     case = dict(method="psd", policy_name="confidence", depth=3)
     dec = Decoder(model, DecodeConfig(gen_length=G, block_length=L, **case))
-    done, _, _, _, live = _run_live(dec, SCHEDULE, cancel=(3, 8))
+    run = run_live(dec, PROMPTS, SCHEDULE, cancel=(3, 8))
+    done, live = run.done, run.live
     assert 3 not in done and sorted(done) == [0, 1, 2, 4]
     for i, g, _ in SCHEDULE:
         if i != 3:

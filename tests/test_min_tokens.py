@@ -8,12 +8,11 @@ token is exactly at position N: a bar placed one column off, or on the wrong row
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import DecodeConfig, Decoder, InputError, generate
-from engine.live import LiveBatch
 from engine.methods import METHODS
 from models import ModelConfig, Tokenizer, init_random
+from support import run_live
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
 G, L, EOS = 32, 8, 62
@@ -73,20 +72,7 @@ def test_each_row_of_a_live_batch_is_barred_from_its_own_start(eos_model, case):
     is barred over its own first N positions and decodes as it would alone."""
     m = 11
     dec = Decoder(eos_model, DecodeConfig(gen_length=G, block_length=L, min_tokens=m, conf_dtype="float64", **case))
-    live = LiveBatch(dec)
-    handles, done, step = {}, {}, 0
-    while True:
-        if step in (0, 2, 5):                       # joins at later block boundaries, mid-decode
-            i = (0, 2, 5).index(step)
-            handles[live.add(PROMPTS[i])] = i
-        update = live.step()
-        step += 1
-        if update is None:
-            if step > 5:
-                break
-            continue
-        for h, r in update.done.items():
-            done[handles[h]] = r
+    done = run_live(dec, PROMPTS, [(0, None, 0), (1, None, 2), (2, None, 5)]).done   # joins mid-decode
     assert sorted(done) == [0, 1, 2]
     for i, r in done.items():
         alone = Decoder(eos_model, dec.dc).generate([PROMPTS[i]])[0]

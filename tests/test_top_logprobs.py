@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from engine import DecodeConfig, Decoder, InputError, generate
-from engine.live import LiveBatch
 from engine.methods import METHODS
 from models import ModelConfig, init_random
+from support import run_live
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23]]
 G, L, K = 32, 8, 3
@@ -66,21 +66,8 @@ def test_alternatives_stream_and_survive_continuous_batching(model, case):
     for b, r in enumerate(alone):
         assert _same([t for u in updates for t in u.tops[b]], r.commit_top)
     assert [t for u in updates for t in u.tops[0]] == updates[-1].results[0].commit_top     # the stream's own
-    live = LiveBatch(Decoder(model, dc))
-    handles, done, tops, step = {}, {}, {}, 0
-    while step < 100:
-        if step in (0, 2, 5):
-            handles[live.add(PROMPTS[(0, 2, 5).index(step)])] = (0, 2, 5).index(step)
-        update = live.step()
-        step += 1
-        if update is None:
-            if step > 5:
-                break
-            continue
-        for h, top in update.tops.items():
-            tops.setdefault(handles[h], []).extend(top)
-        for h, r in update.done.items():
-            done[handles[h]] = r
+    run = run_live(Decoder(model, dc), PROMPTS, [(0, None, 0), (1, None, 2), (2, None, 5)])   # joins mid-decode
+    done, tops = run.done, run.tops
     assert sorted(done) == [0, 1, 2]
     for i, r in done.items():
         assert r.token_ids == alone[i].token_ids and _same(r.commit_top, alone[i].commit_top)

@@ -189,12 +189,13 @@ class Server:
         own log-prob only), or None when it asks for no logprobs. Completions: `logprobs` is that
         count; chat: `logprobs` is a boolean and `top_logprobs` the count."""
         v = body.get("logprobs")
-        top = body.get("top_logprobs") if chat else v
+        name = "top_logprobs" if chat else "logprobs"          # the field that counts alternatives
+        top = body.get(name)
+        if not chat and top is False:                          # accepted as "no logprobs", as before
+            top = None
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
-            name = "top_logprobs" if chat else "logprobs"
             raise bad(f"{name} must be an integer >= 0, got {short(json.dumps(top), 30)}", name)
         if top is not None and top > MAX_TOP_LOGPROBS:
-            name = "top_logprobs" if chat else "logprobs"
             raise bad(f"{name} must be <= {MAX_TOP_LOGPROBS} (alternatives per token), got {short(str(top), 30)}",
                       name)
         if chat and v is not None and not isinstance(v, bool):
