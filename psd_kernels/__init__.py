@@ -14,6 +14,9 @@ kernel accumulates in float32; float64 is the parity switch of the engine).
                             *, own_mask=None, row_map=None)
     plan_rows(row_map, cache_rows)                       (once per model call; row_map= of every layer)
     merge_attention(out_a, lse_a, out_b, lse_b)          (plain torch, both backends)
+    moe(x, w_gate, w_up, w_down, topk_ids, topk_weights, out=None)
+
+``moe`` on float64 takes the reference path as ``top1`` does.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ __all__ = [
     "merge_attention",
     "plan_rows",
     "RowPlan",
+    "moe",
 ]
 
 _BACKENDS = ("triton", "reference")
@@ -45,6 +49,7 @@ _TRITON_MODULE = {
     "position_ranks": "draft",
     "assemble_drafts": "draft",
     "shared_prefix_attention": "sparse_attn",
+    "moe": "moe",
 }
 
 
@@ -108,6 +113,12 @@ def plan_rows(row_map, cache_rows, *, backend=None):
     return reference.plan_rows(row_map, cache_rows, padded=b == "reference")
 
 
-for _f in (top1, rank_positions, position_ranks, assemble_drafts, shared_prefix_attention):
+def moe(x, w_gate, w_up, w_down, topk_ids, topk_weights, out=None, *, backend=None):
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
+        backend = "reference"  # the float64 parity switch: the kernels accumulate in float32
+    return _impl("moe", backend)(x, w_gate, w_up, w_down, topk_ids, topk_weights, out)
+
+
+for _f in (top1, rank_positions, position_ranks, assemble_drafts, shared_prefix_attention, moe):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__ + "\n    ``backend=``: 'triton' or 'reference' for this call (default: ``BACKEND``).\n"
 del _f

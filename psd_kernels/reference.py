@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "top1",
@@ -25,6 +26,7 @@ __all__ = [
     "merge_attention",
     "plan_rows",
     "RowPlan",
+    "moe",
 ]
 
 SCORES = ("prob", "margin", "entropy")
@@ -515,3 +517,92 @@ def shared_prefix_attention(
         out[1].copy_(lse)
         return out
     return o, lse
+
+
+# --------------------------------------------------------------------------------------------
+# mixture of experts: top-k routed gated MLPs
+# --------------------------------------------------------------------------------------------
+def check_moe_args(x, w_gate, w_up, w_down, topk_ids, topk_weights, out=None) -> tuple[int, int, int, int, int]:
+    """Validates a call (no host read); returns (T, H, E, I, k)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise ValueError("x must be a 2-D floating-point tensor [T, H]")
+    T, H = x.shape
+    for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [E, out_features, in_features]")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}; x is {x.dtype} on {x.device}: one dtype and device")
+    E, I, Hw = w_gate.shape
+    if E < 1 or Hw != H:
+        raise ValueError(f"w_gate has shape {tuple(w_gate.shape)}, expected [E >= 1, I, {H}]")
+    if tuple(w_up.shape) != (E, I, H):
+        raise ValueError(f"w_up has shape {tuple(w_up.shape)}, expected {(E, I, H)}")
+    if tuple(w_down.shape) != (E, H, I):
+        raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected {(E, H, I)}")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype != torch.int64 or topk_ids.dim() != 2 \
+            or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be an int64 tensor [{T}, k]")
+    k = topk_ids.shape[1]
+    if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point() \
+            or tuple(topk_weights.shape) != (T, k):
+        raise ValueError(f"topk_weights must be a floating-point tensor of shape {(T, k)}")
+    if topk_ids.device != x.device or topk_weights.device != x.device:
+        raise ValueError("topk_ids and topk_weights must be on the device of x")
+    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, H)
+                            or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"out must be a {x.dtype} tensor of shape {(T, H)} on {x.device}")
+    return T, H, E, I, k
+
+
+def moe(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Top-k routed mixture of gated-MLP experts (SwiGLU), the MoE layer's expert part.
+
+    x [T, H]; w_gate, w_up [E, I, H] and w_down [E, H, I] (nn.Linear layout, x's dtype);
+    topk_ids int64 [T, k] in [0, E) (a row may name one expert twice: both slots count);
+    topk_weights float [T, k] (the caller normalises and scales them).
+    Returns [T, H] in x's dtype:
+    ``out[t] = Σ_j topk_weights[t, j] · w_down[e] @ (silu(w_gate[e] @ x[t]) * (w_up[e] @ x[t]))``
+    with ``e = topk_ids[t, j]``. ``out=`` receives the result.
+
+    Math in float32 (float64 inputs: float64), rounded once to x's dtype. Grouped by expert:
+    the T·k slots are sorted by expert and only the experts that received slots run, each as
+    three matmuls over its rows, so the work is that of the routed slots, never T·E. ONE host
+    read per call (the per-expert row counts, which also checks every id is in [0, E)); an id
+    outside raises ValueError. Each used expert's weights are cast to float32 once per call
+    (16-bit weights).
+    """
+    T, H, E, I, k = check_moe_args(x, w_gate, w_up, w_down, topk_ids, topk_weights, out)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.zeros(T, H, dtype=acc, device=x.device)
+    N = T * k
+    if N > 0:
+        flat = topk_ids.reshape(N)
+        sorted_ids, order = torch.sort(flat, stable=True)       # slots grouped by expert
+        offsets = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=x.device))
+        bounds = torch.cat((offsets, sorted_ids[[0, -1]])).tolist()   # the one host read
+        lo, hi = bounds[E + 1], bounds[E + 2]
+        if lo < 0 or hi >= E:
+            raise ValueError(f"topk_ids holds experts {lo}..{hi}, but there are {E}")
+        tok = order // k                                        # token of each sorted slot
+        w = topk_weights.reshape(N).index_select(0, order).to(acc)
+        xa = x.to(acc)
+        for e in range(E):
+            a, b = bounds[e], bounds[e + 1]
+            if a == b:
+                continue
+            t_e = tok[a:b]
+            xe = xa.index_select(0, t_e)                        # [n_e, H]
+            h = F.silu(xe @ w_gate[e].to(acc).T) * (xe @ w_up[e].to(acc).T)   # [n_e, I]
+            # a token listed twice (one expert in two of its slots) is added twice
+            y.index_add_(0, t_e, (h @ w_down[e].to(acc).T).mul_(w[a:b, None]))
+    if out is not None:
+        return out.copy_(y)
+    return y.to(x.dtype)
