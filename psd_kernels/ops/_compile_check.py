@@ -12,6 +12,7 @@ import argparse
 import itertools
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -37,7 +38,7 @@ def variants(quick: bool = False, only: str | None = None):
     """(label, kernel, signature, constexprs, num_warps) for every constexpr variant in use.
 
     ``quick`` keeps every constexpr flag but fewer dtypes, sizes and tile configs; ``only``
-    names one module (top1, draft, sparse_attn).
+    names one module (top1, draft, sparse_attn, moe).
     """
     for label, fn, sig, ce, warps in _variants(quick):
         if only is None or fn.__module__.rsplit(".", 1)[-1] == only:
@@ -45,7 +46,7 @@ def variants(quick: bool = False, only: str | None = None):
 
 
 def _variants(quick: bool):
-    from . import draft, sparse_attn, top1
+    from . import draft, moe, sparse_attn, top1
 
     for score, noise, exclude, dt in itertools.product(range(3), (False, True), (False, True), ("bf16", "fp32")):
         if quick and (not exclude or dt == "fp32"):
@@ -92,12 +93,29 @@ def _variants(quick: bool):
                  f"{cfg.kwargs}")
         yield label, fn, _signature(fn, ptr, {"qk_scale": "fp32"}, ce), ce, cfg.num_warps
 
+    # (slots, experts): decode (a few slots per expert), a mid batch, prefill (many per expert)
+    for dt, (n, e) in itertools.product(("bf16", "fp16", "fp32"), ((64, 64), (1024, 64), (16384, 64))):
+        if quick and (dt == "fp16" or n == 1024):
+            continue
+        torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+        bm, bn, bk, warps, stages = moe.launch_config(n, e, torch_dt)
+        tiles = dict(UPCAST=dt == "fp32", DOT_PRECISION="ieee" if dt == "fp32" else "tf32", CHUNK=moe.CHUNK_E,
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        ptr = {"X": f"*{dt}", "WG": f"*{dt}", "WU": f"*{dt}", "WD": f"*{dt}", "HOUT": f"*{dt}", "HIN": f"*{dt}",
+               "ORDER": "*i64", "OFFS": "*i64", "TW": "*fp32", "Y": "*fp32"}
+        for fn in (moe._moe_gate_up_kernel, moe._moe_down_kernel):
+            yield f"{fn.__name__} {dt} slots={n} experts={e} {bm}x{bn}x{bk}", fn, _signature(fn, ptr, {}, tiles), tiles, warps
+        if n == 64:
+            ce = dict(BLOCK_H=moe.SUM_BLOCK_H)
+            ptr = {"Y": "*fp32", "IDS": "*i64", "OUT": f"*{dt}"}
+            yield f"_moe_sum_kernel {dt}", moe._moe_sum_kernel, _signature(moe._moe_sum_kernel, ptr, {}, ce), ce, 4
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 80, 90")
     ap.add_argument("--quick", action="store_true", help="every constexpr flag, fewer dtypes/sizes/configs")
-    ap.add_argument("--only", choices=("top1", "draft", "sparse_attn"), help="compile one kernel family")
+    ap.add_argument("--only", choices=("top1", "draft", "sparse_attn", "moe"), help="compile one kernel family")
     args = ap.parse_args(argv)
     if triton.knobs.runtime.interpret:
         print("unset TRITON_INTERPRET: the interpreter does not compile", file=sys.stderr)
