@@ -12,7 +12,9 @@ as each tensor is loaded with one reduction, 0.03-0.1 s per GiB on a 2-core CPU;
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -47,17 +49,49 @@ _TOP_NAMES = {
     "qwen": {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"},
 }
-_LAYER_PREFIX = {"llada": "model.transformer.blocks.{i}.", "qwen": "model.layers.{i}."}
+_TOP_NAMES["llada2"] = {"tok_embeddings.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
+                        "output.weight": "lm_head.weight"}
+_LAYER_PREFIX = {"llada": "model.transformer.blocks.{i}.", "qwen": "model.layers.{i}.", "llada2": "model.layers.{i}."}
 # buffers some exporters write that carry no weights
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# the router's parameters stay float32 whatever the load dtype (as SGLang holds them): a sigmoid
+# score rounded to bf16 moves by up to 2^-9, enough to swap two experts' ranks
+_FP32_SUFFIXES = ("mlp.router.weight", "mlp.expert_bias")
+_SWIGLU = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+def _llada2_layer_names(config: ModelConfig, i: int) -> dict[str, str]:
+    """LLaDA2 (BailingMoeV2 names) key -> checkpoint name suffix for layer i. Two kinds of key name
+    no parameter: `attn.wqkv.*` (q, k and v in one tensor, heads in that order) and
+    `mlp.experts.{e}.*` (one tensor per expert); `_unpack` makes parameters of them, `_pack` the
+    reverse."""
+    names = {"attn_norm.weight": "input_layernorm.weight", "attn.wqkv.weight": "attention.query_key_value.weight",
+             "attn.wo.weight": "attention.dense.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
+    if config.qkv_bias:
+        names["attn.wqkv.bias"] = "attention.query_key_value.bias"
+    if config.qk_norm:
+        names.update({"attn.q_norm.weight": "attention.query_layernorm.weight",
+                      "attn.k_norm.weight": "attention.key_layernorm.weight"})
+    if not config.is_moe_layer(i):
+        names.update({f"mlp.{k}.weight": f"mlp.{v}.weight" for k, v in _SWIGLU.items()})
+        return names
+    names["mlp.router.weight"] = "mlp.gate.weight"
+    if config.expert_bias:
+        names["mlp.expert_bias"] = "mlp.gate.expert_bias"
+    if config.shared_intermediate_size:
+        names.update({f"mlp.shared.{k}.weight": f"mlp.shared_experts.{v}.weight" for k, v in _SWIGLU.items()})
+    for e in range(config.num_experts):
+        names.update({f"mlp.experts.{e}.{k}": f"mlp.experts.{e}.{v}.weight" for k, v in _SWIGLU.items()})
+    return names
 
 
 def _layout(config: ModelConfig) -> str:
-    return "llada" if config.family == "llada" else "qwen"
+    return config.family if config.family in ("llada", "llada2") else "qwen"
 
 
 def checkpoint_names(config: ModelConfig) -> dict[str, str]:
-    """{internal parameter name: checkpoint tensor name} for every parameter of the model."""
+    """{internal parameter name: checkpoint tensor name} for every parameter of the model (for
+    LLaDA2, fused q/k/v and per-expert keys stand for some parameters: `_llada2_layer_names`)."""
     lay = _layout(config)
     names = {}
     for k, v in _TOP_NAMES[lay].items():
@@ -66,6 +100,9 @@ def checkpoint_names(config: ModelConfig) -> dict[str, str]:
         names[k] = v
     for i in range(config.num_layers):
         pre = _LAYER_PREFIX[lay].format(i=i)
+        if lay == "llada2":
+            names.update({f"layers.{i}.{k}": pre + v for k, v in _llada2_layer_names(config, i).items()})
+            continue
         for k, v in _LAYER_NAMES[lay].items():
             if k.endswith(".weight"):
                 names[f"layers.{i}.{k}"] = pre + v
@@ -75,6 +112,45 @@ def checkpoint_names(config: ModelConfig) -> dict[str, str]:
             if has_bias:
                 names[f"layers.{i}.{k}.bias"] = pre + v + ".bias"
     return names
+
+
+def _unpack(config: ModelConfig, state: dict) -> dict:
+    """Tensors keyed as `checkpoint_names` keys them -> the model's parameters: a fused q/k/v is
+    split into views (no copy), each layer's per-expert tensors are stacked into [E, ...] (one
+    layer's copy at a time; the per-expert tensors are released as they are stacked)."""
+    if config.family != "llada2":
+        return state
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for i in range(config.num_layers):
+        pre = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            fused = state.pop(f"{pre}attn.wqkv.{kind}", None)
+            if fused is not None:
+                for w, part in zip(("wq", "wk", "wv"), fused.split([q, kv, kv])):
+                    state[f"{pre}attn.{w}.{kind}"] = part
+        if config.is_moe_layer(i):
+            for w in _SWIGLU:
+                state[f"{pre}mlp.{w}"] = torch.stack(
+                    [state.pop(f"{pre}mlp.experts.{e}.{w}") for e in range(config.num_experts)])
+    return state
+
+
+def _pack(config: ModelConfig, params: dict) -> dict:
+    """The model's parameters -> tensors keyed as `checkpoint_names` keys them (`_unpack` undone;
+    each expert's tensors are copies, as a safetensors file holds no shared storage)."""
+    if config.family != "llada2":
+        return params
+    out = dict(params)
+    for i in range(config.num_layers):
+        pre = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            if f"{pre}attn.wq.{kind}" in out:
+                out[f"{pre}attn.wqkv.{kind}"] = torch.cat([out.pop(f"{pre}attn.{w}.{kind}") for w in ("wq", "wk", "wv")])
+        if config.is_moe_layer(i):
+            for w in _SWIGLU:
+                for e, t in enumerate(out.pop(f"{pre}mlp.{w}").unbind(0)):
+                    out[f"{pre}mlp.experts.{e}.{w}"] = t.clone()
+    return out
 
 
 def _one_line(text) -> str:
@@ -130,9 +206,97 @@ def _open_error(f: Path, e: Exception) -> CheckpointError:
     return CheckpointError(f"{f} is not a valid safetensors file ({_one_line(e)})")
 
 
+# bytes per element of each safetensors dtype (sub-byte float formats are not weights this loader reads)
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+# the largest safetensors header read (the format's own readers refuse more than 100 MB)
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _header_bytes(f: Path, size: int) -> bytes:
+    """The JSON header of the safetensors file `f` of `size` bytes, its declared length checked
+    against the file before anything else is read."""
+    fd = os.open(f, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{f} is not a valid safetensors file (it is {size} bytes, shorter than "
+                                  f"the 8-byte header length)")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CheckpointError(f"{f} is not a valid safetensors file (its header claims {n} bytes; "
+                                  f"the file has {size - 8} after the length"
+                                  + (f", and at most {MAX_HEADER_BYTES} are read)" if n > MAX_HEADER_BYTES else ")"))
+        raw = os.pread(fd, n, 8)
+        if len(raw) != n:
+            raise CheckpointError(f"{f} is not a valid safetensors file (it shrank while its header was read)")
+        return raw
+    finally:
+        os.close(fd)
+
+
+def check_safetensors(f: Path) -> int:
+    """The size of the safetensors file `f` once its header is consistent with it: the header
+    length lies within the file, every tensor's dtype is known, its data offsets lie inside the
+    data area, do not overlap, and span exactly its shape times its element size. This replaces a
+    fixed byte cap on shards (real ones are 3-5 GB): a file is trusted as far as it describes
+    itself, and nothing is read but its header. Any inconsistency is one CheckpointError line."""
+    try:
+        st = check_regular(f, "the shard", limit=sys.maxsize)
+        raw = _header_bytes(f, st.st_size)
+    except OSError as e:
+        raise _open_error(f, e) from None
+    bad = f"{f} is not a valid safetensors file"
+    try:
+        header = json.loads(raw.decode("utf-8").rstrip(" "))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{bad} (its header is not JSON: {_one_line(e)})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{bad} (its header is not a JSON object)")
+    data = st.st_size - 8 - len(raw)
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        spans.append((*_tensor_span(bad, name, entry, data), name))
+    spans.sort()
+    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{bad} (tensors {n0} and {n1} overlap: bytes {b1}-{e0})")
+    return st.st_size
+
+
+def _naturals(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def _tensor_span(bad: str, name: str, entry, data: int) -> tuple[int, int]:
+    """(begin, end) of one header entry's data, checked against its dtype, shape and the data area."""
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{bad} (header entry {name!r} is not an object)")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _ST_ITEMSIZE:
+        raise CheckpointError(f"{bad} (tensor {name} has unknown dtype {_one_line(repr(dtype))[:40]})")
+    if not _naturals(shape):
+        raise CheckpointError(f"{bad} (tensor {name} has shape {_one_line(repr(shape))[:60]}, "
+                              f"expected a list of non-negative integers)")
+    if not _naturals(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CheckpointError(f"{bad} (tensor {name} has data_offsets {_one_line(repr(offsets))[:60]})")
+    begin, end = offsets
+    if end > data:
+        raise CheckpointError(f"{bad} (tensor {name} lies at bytes {begin}-{end} of the data, but the file holds "
+                              f"{data} bytes of data: truncated, or a header that lies)")
+    need = math.prod(shape) * _ST_ITEMSIZE[dtype]
+    if end - begin != need:
+        raise CheckpointError(f"{bad} (tensor {name} of shape {shape} in {dtype} needs {need} bytes, its "
+                              f"data_offsets span {end - begin})")
+    return begin, end
+
+
 def _safe_open(f: Path):
     from safetensors import safe_open
 
+    check_safetensors(f)
     try:
         return safe_open(str(f), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -222,11 +386,11 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
     check_divisible(config, world)
     files = _tensor_files(path)
     check_fits(config, dtype, device, str(path / "config.json"),
-               sum(check_regular(f, "the shard").st_size for f in set(files.values())), world)
+               sum(check_safetensors(f) for f in set(files.values())), world)
     with torch.device("meta"):
         full = Transformer(config)
         model = Transformer(config, tp) if tp is not None else full
-    shapes = {k: tuple(p.shape) for k, p in full.named_parameters()}
+    shapes = {k: tuple(p.shape) for k, p in _pack(config, dict(full.named_parameters())).items()}
     state = {}
     for fpath, names in _shards(config, path, files).items():          # one shard open at a time
         with _safe_open(fpath) as f:
@@ -235,8 +399,9 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
                 if name not in held:
                     raise CheckpointError(f"{fpath} does not hold tensor {name}, which {_INDEX} places there")
                 index = tp.shard_index(internal, shapes[internal]) if tp is not None else None
-                state[internal] = _read_tensor(f, fpath, name, shapes[internal], dtype, device, check_finite, index)
-    model.load_state_dict(state, strict=True, assign=True)
+                want = torch.float32 if internal.endswith(_FP32_SUFFIXES) else dtype
+                state[internal] = _read_tensor(f, fpath, name, shapes[internal], want, device, check_finite, index)
+    model.load_state_dict(_unpack(config, state), strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()
 
@@ -301,7 +466,7 @@ def save_checkpoint(model: Transformer, path: str | os.PathLike, shard_bytes: in
     path.mkdir(parents=True, exist_ok=True)
     config = model.config
     names = checkpoint_names(config)
-    sd = model.state_dict()
+    sd = _pack(config, model.state_dict())
     tensors = {names[k]: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in sd.items() if k in names}
     (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2), encoding="utf-8")
     for stale in ("model.safetensors", "model.safetensors.index.json"):
