@@ -123,6 +123,23 @@ def test_matches_reference(T, H, E, I, k, kind, dtype, device):
 
 
 @needs_triton
+@pytest.mark.parametrize("kind", ["random", "empty_experts"])
+def test_tile_search_across_expert_chunks(kind, device, monkeypatch):
+    """Experts scanned 4 at a time (256 on the GPU) and the k-sum in 16-column blocks: the tile
+    search's running prefix crosses chunks, and H = 40 ends in a partial sum block."""
+    ops = importlib.import_module("psd_kernels.ops.moe")
+    monkeypatch.setattr(ops, "CHUNK_E", 4)
+    monkeypatch.setattr(ops, "SUM_BLOCK_H", 16)
+    gen = torch.Generator().manual_seed(10 + len(kind))
+    T, H, E, I, k = 29, 40, 11, 24, 3
+    x = torch.randn(T, H, generator=gen).to(device)
+    ws = make_weights(E, H, I, torch.float32, gen, device)
+    ids, w = route(T, E, k, kind, gen, device)
+    got = run_triton(x, *ws, ids, w)
+    torch.testing.assert_close(got.cpu(), reference.moe(*cpu((x, *ws, ids, w))), **TOL[torch.float32])
+
+
+@needs_triton
 def test_fp16_and_16bit_routing_weights(device):
     gen = torch.Generator().manual_seed(8)
     T, H, E, I, k = 21, 32, 4, 24, 2

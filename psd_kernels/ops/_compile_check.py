@@ -94,17 +94,18 @@ def _variants(quick: bool):
         yield label, fn, _signature(fn, ptr, {"qk_scale": "fp32"}, ce), ce, cfg.num_warps
 
     # (slots, experts): decode (a few slots per expert), a mid batch, prefill (many per expert)
-    for dt, (n, e) in itertools.product(("bf16", "fp16", "fp32"), ((64, 64), (1024, 64), (16384, 64))):
-        if quick and (dt == "fp16" or n == 1024):
+    for dt, (n, e) in itertools.product(("bf16", "fp16", "fp32"), ((64, 64), (2048, 64), (16384, 64))):
+        if quick and (dt == "fp16" or n == 2048):
             continue
         torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-        bm, bn, bk, warps, stages = moe.launch_config(n, e, torch_dt)
+        bm, bn, bk, warps = moe.launch_config(n, e, torch_dt)
         tiles = dict(UPCAST=dt == "fp32", DOT_PRECISION="ieee" if dt == "fp32" else "tf32", CHUNK=moe.CHUNK_E,
                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         ptr = {"X": f"*{dt}", "WG": f"*{dt}", "WU": f"*{dt}", "WD": f"*{dt}", "HOUT": f"*{dt}", "HIN": f"*{dt}",
                "ORDER": "*i64", "OFFS": "*i64", "TW": "*fp32", "Y": "*fp32"}
         for fn in (moe._moe_gate_up_kernel, moe._moe_down_kernel):
-            yield f"{fn.__name__} {dt} slots={n} experts={e} {bm}x{bn}x{bk}", fn, _signature(fn, ptr, {}, tiles), tiles, warps
+            label = f"{fn.__name__} {dt} slots={n} experts={e} {bm}x{bn}x{bk}"
+            yield label, fn, _signature(fn, ptr, {}, tiles), tiles, warps
         if n == 64:
             ce = dict(BLOCK_H=moe.SUM_BLOCK_H)
             ptr = {"Y": "*fp32", "IDS": "*i64", "OUT": f"*{dt}"}

@@ -150,20 +150,23 @@ INTERPRET_TILES = (16, 32, 32)
 SUM_BLOCK_H = 1024
 
 
-def launch_config(N: int, E: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for N = T·k slots over E experts.
+def launch_config(N: int, E: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for N = T·k slots over E experts (Triton's default
+    3 pipeline stages, which the compile check lowers).
 
     BLOCK_M follows the mean number of slots per used expert: 16 (the smallest tl.dot tile) in
     decode, where each expert sees a few tokens and the kernels stream weights, up to 64 when
-    experts get enough rows for the tile to reuse each weight tile from registers."""
+    experts get enough rows for the tile to reuse each weight tile from registers. Decode tiles
+    take 32 columns: one token's 8 experts × I / 32 is 128 gate/up programs at I = 512, about
+    one per SM of an H100, where 64 columns would leave half the SMs idle."""
     if INTERPRET:
         bm, bn, bk = INTERPRET_TILES
-        return bm, bn, bk, 4, 1
+        return bm, bn, bk, 4
     rows = triton.cdiv(N, max(1, min(E, N)))
     bm = min(64, max(16, triton.next_power_of_2(rows)))
     bk = 64 if dtype != torch.float32 else 32
-    bn = 128 if bm >= 64 else 64
-    return bm, bn, bk, 4 if bm < 64 else 8, 3 if bm < 64 else 4
+    bn = 128 if bm >= 64 else 64 if bm == 32 else 32
+    return bm, bn, bk, 4 if bm < 64 else 8
 
 
 def moe(
@@ -181,7 +184,7 @@ def moe(
     check_device(x, w_gate, w_up, w_down, topk_ids, topk_weights, out)
     o = torch.empty(T, H, dtype=x.dtype, device=x.device) if out is None else out
     N = T * k
-    if N == 0 or H == 0:
+    if N == 0 or H == 0 or I == 0:       # I = 0: every expert outputs 0
         return o.zero_()
     ids = topk_ids.reshape(N)                 # slot s = t·k + j
     tw = topk_weights.reshape(N)
@@ -190,28 +193,25 @@ def moe(
     # h in x's dtype (the next GEMM's operand); y per slot in fp32, summed over k in slot order
     h = torch.empty(N, I, dtype=x.dtype, device=dev)
     y = torch.empty(N, H, dtype=torch.float32, device=dev)
-    bm, bn, bk, warps, stages = launch_config(N, E, x.dtype)
+    bm, bn, bk, warps = launch_config(N, E, x.dtype)
     meta = dict(
         # the interpreter's dot mishandles 16-bit floats, so it gets fp32 tiles
         UPCAST=INTERPRET or x.dtype == torch.float32,
         # fp32 inputs use exact fp32 products (tf32 would miss the reference by ~1e-3)
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        CHUNK=CHUNK_E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        CHUNK=CHUNK_E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
     )
     tiles = triton.cdiv(N, bm) + min(E, N)   # every expert with slots adds at most one partial tile
-    if I == 0:      # no intermediate features: every expert outputs 0
-        y.zero_()
-    else:
-        _moe_gate_up_kernel[(tiles, triton.cdiv(I, bn))](
-            x, w_gate, w_up, h, plan.order, plan.offsets,
-            *x.stride(), *w_gate.stride(), *w_up.stride(), *h.stride(),
-            E, k, H, I, **meta,
-        )
-        _moe_down_kernel[(tiles, triton.cdiv(H, bn))](
-            h, w_down, tw, y, plan.order, plan.offsets,
-            *h.stride(), *w_down.stride(), y.stride(0),
-            E, H, I, **meta,
-        )
+    _moe_gate_up_kernel[(tiles, triton.cdiv(I, bn))](
+        x, w_gate, w_up, h, plan.order, plan.offsets,
+        *x.stride(), *w_gate.stride(), *w_up.stride(), *h.stride(),
+        E, k, H, I, **meta,
+    )
+    _moe_down_kernel[(tiles, triton.cdiv(H, bn))](
+        h, w_down, tw, y, plan.order, plan.offsets,
+        *h.stride(), *w_down.stride(), y.stride(0),
+        E, H, I, **meta,
+    )
     block_h = min(SUM_BLOCK_H, triton.next_power_of_2(H))
     _moe_sum_kernel[(T, triton.cdiv(H, block_h))](
         y, ids, o, y.stride(0), *o.stride(), E, k, H, BLOCK_H=block_h, num_warps=4,
