@@ -57,6 +57,9 @@ class KVCache:
               (the cache is query-independent: pads and invisible suffix positions are False)
     row_map:  [R] int64 or None; the cache row serving each of the R rows of a call (drafts of
               one sequence share one cache row); None means row r uses cache row r.
+    own_masked: the call's own keys may include columns a row must not see even on a
+              bidirectional model (a prefix-cache call runs to the canvas end, where a row shorter
+              than the batch's longest has padding): the own mask is applied, not skipped.
     plan:     the `psd_kernels.RowPlan` of row_map, made once per call when the cache is bound
               to the call's rows (not per layer); every layer's attention reads it.
     """
@@ -65,6 +68,7 @@ class KVCache:
     key_mask: torch.Tensor
     row_map: torch.Tensor | None = None
     plan: object = field(default=None, repr=False, compare=False)
+    own_masked: bool = False
 
     def __post_init__(self):
         if self.row_map is not None and self.plan is None:
@@ -76,8 +80,8 @@ class KVCache:
     def length(self) -> int:
         return self.key_mask.shape[1]
 
-    def for_rows(self, row_map: torch.Tensor | None) -> "KVCache":
-        return KVCache(self.layers, self.key_mask, row_map)
+    def for_rows(self, row_map: torch.Tensor | None, own_masked: bool = False) -> "KVCache":
+        return KVCache(self.layers, self.key_mask, row_map, own_masked=own_masked)
 
 
 def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = None, all_own: bool = False):
@@ -88,7 +92,8 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
     layer serves every row against ONE copy of its cache row (the call's `RowPlan`, made once per
     call, says which), so a K-draft call never materialises K copies of a cache row and never
     reads anything back to the host; `all_own` says every query may see every own key
-    (bidirectional models), else the kernel applies the own-block mask too (`own_mask`).
+    (bidirectional models, unless the cache says its call's own keys hold padding:
+    `KVCache.own_masked`), else the kernel applies the own mask too (`own_mask`).
     """
     if cache_kv is None or cache.length == 0:
         return F.scaled_dot_product_attention(q, k_own, v_own, attn_mask=own_mask, enable_gqa=True)
@@ -102,7 +107,7 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     import psd_kernels
 
-    om = None if all_own else own_mask[:, 0]          # [R or 1, T, T]
+    om = None if all_own and not cache.own_masked else own_mask[:, 0]          # [R or 1, T, T]
     return psd_kernels.shared_prefix_attention(q, k_c, v_c, k_own, v_own, shared_mask=km, own_mask=om,
                                                row_map=cache.plan)[0]
 

@@ -24,6 +24,8 @@ CASES = [
     dict(method="lopa"),
     dict(method="confidence", cache="dual"),
     dict(method="psd", policy_name="left", depth=3, cache="prefix"),
+    dict(method="greedy", cache="prefix"),
+    dict(method="confidence", cache="prefix"),
 ]
 
 
@@ -35,8 +37,6 @@ def model(request):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_each_sequence_decodes_as_it_would_alone(model, case):
-    if case.get("cache") == "prefix" and model.config.attention != "context_causal":
-        case = {**case, "cache": "dual"}
     dec = Decoder(model, DecodeConfig(gen_length=G, block_length=L, **case))
     run = run_live(dec, PROMPTS, SCHEDULE, max_rows=3)
     done, pieces, rows = run.done, run.pieces, run.rows
