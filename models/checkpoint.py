@@ -145,7 +145,8 @@ def _pack(config: ModelConfig, params: dict) -> dict:
         pre = f"layers.{i}."
         for kind in ("weight", "bias"):
             if f"{pre}attn.wq.{kind}" in out:
-                out[f"{pre}attn.wqkv.{kind}"] = torch.cat([out.pop(f"{pre}attn.{w}.{kind}") for w in ("wq", "wk", "wv")])
+                out[f"{pre}attn.wqkv.{kind}"] = torch.cat([out.pop(f"{pre}attn.{w}.{kind}")
+                                                           for w in ("wq", "wk", "wv")])
         if config.is_moe_layer(i):
             for w in _SWIGLU:
                 for e, t in enumerate(out.pop(f"{pre}mlp.{w}").unbind(0)):

@@ -1,8 +1,8 @@
 """Model configuration: one dataclass whose fields are the family differences.
 
 A config is read from a Hugging Face `config.json` of one of the supported families (LLaDA,
-Dream, openPangu-Diffusion; docs/algorithms.md §7) and can be written back in that family's own
-layout, so tests can build real-layout checkpoints with random weights.
+Dream, openPangu-Diffusion, LLaDA2.x; docs/algorithms.md §7, docs/models.md) and can be written
+back in that family's own layout, so tests can build real-layout checkpoints with random weights.
 """
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
-FAMILIES = ("llada", "dream", "pangu")
-ATTENTION_MODES = ("bidirectional", "context_causal")
+FAMILIES = ("llada", "dream", "pangu", "llada2")
+ATTENTION_MODES = ("bidirectional", "context_causal", "block_causal")
+# LLaDA2's attention block when neither config.json nor generation_config.json names one: the
+# default block_length of the authors' generate() and of diffusers' LLaDA2Pipeline
+LLADA2_BLOCK = 32
 
 
 def family_of(model_type: str) -> str:
@@ -29,8 +32,11 @@ def family_of(model_type: str) -> str:
         return "dream"
     if "pangu" in t:
         return "pangu"
+    if t.startswith("llada2"):
+        return "llada2"
     raise CheckpointError(
-        f"unknown model_type {model_type!r}; supported: llada, Dream, PanguEmbedded (openPangu-Diffusion)"
+        f"unknown model_type {model_type!r}; supported: llada, Dream, PanguEmbedded (openPangu-Diffusion), "
+        f"llada2_moe (LLaDA2.x)"
     )
 
 
@@ -58,6 +64,21 @@ class ModelConfig:
     pad_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()   # EOS and every other id that ends a sequence (EOT, ...)
     position_mode: str = "absolute"        # with left padding: "absolute" index or "cumsum" of the mask
+    # attention details (LLaDA2)
+    qk_norm: bool = False                  # RMSNorm over each head's q and k before RoPE
+    rotary_dim: int | None = None          # RoPE turns the first rotary_dim features of a head (None: all)
+    attention_block: int | None = None     # block_causal: blocks of this many positions, counted from 0
+    # mixture of experts (LLaDA2): num_experts 0 means every layer has the dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0         # each routed expert's MLP size
+    shared_intermediate_size: int = 0      # the shared experts' MLP size, all of them (0: none)
+    first_dense_layers: int = 0            # leading layers that keep the dense MLP (first_k_dense_replace)
+    n_group: int = 1                       # experts are chosen from the topk_group best of n_group groups
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True            # the k routing weights are renormalised to sum to 1 (then scaled)
+    expert_bias: bool = False              # a per-expert score bias that steers the choice, not the weights
     # gen_length / block_length suggested by generation_config.json: the CLI's, server's and
     # lm-eval adapter's default canvas sizes when the user gives none
     generation_defaults: dict = field(default_factory=dict, compare=False)
@@ -77,6 +98,19 @@ class ModelConfig:
             raise CheckpointError(f"head_dim {self.head_dim} is odd; rotary embeddings need an even head dimension")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise CheckpointError(f"rotary_dim {self.rotary_dim} must be even and within the head dimension "
+                                  f"{self.head_dim}")
+        if (self.attention == "block_causal") != (self.attention_block is not None):
+            raise CheckpointError("attention_block (the block size) is set exactly when attention is block_causal")
+        if self.attention_block is not None and self.attention_block <= 0:
+            raise CheckpointError(f"attention_block must be a positive integer, got {self.attention_block!r}")
+        if self.num_experts:
+            _check_moe(self.num_experts, self.num_experts_per_tok, self.n_group, self.topk_group,
+                       ("num_experts", "num_experts_per_tok", "n_group", "topk_group"), "")
+            if self.moe_intermediate_size <= 0:
+                raise CheckpointError(f"moe_intermediate_size must be a positive integer, got "
+                                      f"{self.moe_intermediate_size!r}")
         for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
@@ -101,6 +135,12 @@ class ModelConfig:
             pangu=dict(family="pangu", model_type="PanguEmbedded", rope_theta=1.6e7, rms_eps=1e-6, qkv_bias=True,
                        o_bias=True, logit_shift=1, num_heads=4, num_kv_heads=2, attention="context_causal",
                        position_mode="cumsum"),
+            # layer 0 dense, layer 1 MoE: 8 experts in 4 groups, 2 groups chosen, 2 experts a token
+            llada2=dict(family="llada2", model_type="llada2_moe", rope_theta=6e5, rms_eps=1e-6, num_heads=4,
+                        num_kv_heads=2, qk_norm=True, rotary_dim=8, attention="block_causal", attention_block=4,
+                        position_mode="cumsum", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_intermediate_size=32, first_dense_layers=1, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, expert_bias=True),
         )[family]
         base.update(overrides)
         return cls(**base)
@@ -123,20 +163,26 @@ class ModelConfig:
         kw = _FROM_HF[family](r, family)
         _check_rope_scaling(r)
         vocab, vocab_key = kw["vocab_size"], _VOCAB_KEY[family](raw)
-        mask = r.token_id("mask_token_id")
-        eos_list = r.token_ids("eos_token_id", required=True)
+        g = _Fields(generation_config, gen_source) if generation_config is not None else None
+        # LLaDA2's config.json may leave the mask and EOS ids to generation_config.json
+        if family == "llada2":
+            r.what = f" (of a llada2 model; {gen_source} may give it instead)"
+        mask_from, eos_from = (g if family == "llada2" and g is not None and raw.get(key) is None
+                               and generation_config.get(key) is not None else r
+                               for key in ("mask_token_id", "eos_token_id"))
+        mask = mask_from.token_id("mask_token_id")
+        eos_list = eos_from.token_ids("eos_token_id", required=True)
         pad_list = r.token_ids("pad_token_id")
         extra_stops = {key: r.token_ids(key) for key in ("eot_token_id", "stop_token_ids")}
         stops = eos_list + [t for ids in extra_stops.values() for t in ids]
-        for key, ids in (("mask_token_id", [mask]), ("eos_token_id", eos_list), ("pad_token_id", pad_list[:1]),
-                         *extra_stops.items()):
+        for key, ids, f in (("mask_token_id", [mask], mask_from), ("eos_token_id", eos_list, eos_from),
+                            ("pad_token_id", pad_list[:1], r), *((k, v, r) for k, v in extra_stops.items())):
             for t in ids:
                 if t >= vocab:
-                    raise CheckpointError(
-                        f"{source}: {key} {t} is outside the vocabulary of size {vocab} ({vocab_key})")
+                    raise CheckpointError(f"{f.source}: {key} {t} is outside the vocabulary of size {vocab} "
+                                          f"({vocab_key}{'' if f is r else f' of {source}'})")
         gen_defaults = {}
-        if generation_config is not None:
-            g = _Fields(generation_config, gen_source)
+        if g is not None:
             gen_eos = g.token_ids("eos_token_id")
             for t in gen_eos:
                 if t >= vocab:
@@ -145,6 +191,8 @@ class ModelConfig:
             suggested = {key: g.pos_int(key, None) for key in ("gen_length", "block_length")}
             gen_defaults = {k: v for k, v in suggested.items() if v is not None}
             stops += gen_eos
+        if family == "llada2" and kw["attention_block"] is None:
+            kw["attention_block"] = gen_defaults.get("block_length", LLADA2_BLOCK)
         return cls(
             family=family,
             model_type=model_type,
@@ -183,8 +231,20 @@ class ModelConfig:
         """The parameters of a model of this config (exact: the Transformer's own tensors)."""
         d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
-        block = attn + 3 * d * self.intermediate_size + 2 * d
-        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + self.num_layers * block + d
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        dense = 3 * d * self.intermediate_size
+        moe = self.num_experts * (d + 3 * d * self.moe_intermediate_size + (1 if self.expert_bias else 0)) \
+            + 3 * d * self.shared_intermediate_size
+        n_moe = self.moe_layers()
+        blocks = self.num_layers * (attn + 2 * d) + (self.num_layers - n_moe) * dense + n_moe * moe
+        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + blocks + d
+
+    def moe_layers(self) -> int:
+        """How many layers have the mixture-of-experts feed-forward (the last ones)."""
+        return max(0, self.num_layers - self.first_dense_layers) if self.num_experts else 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i >= self.first_dense_layers
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -260,11 +320,106 @@ def _qwen_like_to(c: ModelConfig) -> dict:
     return out
 
 
-_FROM_HF = {"llada": _llada_from, "dream": _qwen_like_from, "pangu": _qwen_like_from}
+def _llada2_from(r: "_Fields", family: str) -> dict:
+    """LLaDA2.x (`llada2_moe`, LLaDA2MoeModelLM): a BailingMoeV2-style MoE transformer. Absent
+    fields take the defaults of the authors' configuration class (LLaDA2MoeConfig)."""
+    d, h = r.pos_int("hidden_size"), r.pos_int("num_attention_heads")
+    kv = r.pos_int("num_key_value_heads", None) or h
+    head_dim = r.pos_int("head_dim", None)
+    _check_heads(r, ("hidden_size", d), ("num_attention_heads", h), ("num_key_value_heads", kv), head_dim)
+    hd = head_dim or d // h
+    # use_bias adds biases the two reference implementations place differently (SGLang: every
+    # linear layer; the authors' modeling file: the output projection only); no checkpoint has it
+    _check_off(r, ("use_bias", False), ("norm_head", False))
+    act = r.string("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{r.source}: hidden_act {act!r} is not supported by this engine (SwiGLU needs 'silu')")
+    score = r.string("score_function", "sigmoid")
+    if score != "sigmoid":
+        raise CheckpointError(f"{r.source}: score_function {score!r} is not supported by this engine (LLaDA2 "
+                              f"routes with 'sigmoid' scores)")
+    factor = r.pos_num("partial_rotary_factor", 0.5)
+    rotary = int(hd * factor)
+    if factor > 1 or rotary < 2 or rotary % 2:
+        raise CheckpointError(f"{r.source}: partial_rotary_factor {factor:g} of the head dimension {hd} gives "
+                              f"{rotary} rotary features; a positive even number at most {hd} is needed")
+    n_layers = r.pos_int("num_hidden_layers")
+    experts, k = r.pos_int("num_experts"), r.pos_int("num_experts_per_tok")
+    n_group, topk_group = r.count("n_group", 8), r.count("topk_group", 4)
+    if (n_group == 0) != (topk_group == 0):
+        raise CheckpointError(f"{r.source}: n_group {n_group} and topk_group {topk_group} must both be 0 (no "
+                              f"expert groups) or both positive")
+    n_group, topk_group = n_group or 1, topk_group or 1
+    _check_moe(experts, k, n_group, topk_group, ("num_experts", "num_experts_per_tok", "n_group", "topk_group"),
+               f"{r.source}: ")
+    moe_size = r.pos_int("moe_intermediate_size")
+    dense_layers = r.count("first_k_dense_replace", 0)
+    if dense_layers > n_layers:
+        raise CheckpointError(f"{r.source}: first_k_dense_replace {dense_layers} exceeds num_hidden_layers {n_layers}")
+    shared = r.count("num_shared_experts", 0) * r.pos_int("moe_shared_expert_intermediate_size", moe_size)
+    inter = r.pos_int("intermediate_size", _MISSING if dense_layers else None)
+    block = r.pos_int("block_length", None)
+    return dict(
+        vocab_size=r.pos_int("vocab_size"), hidden_size=d, intermediate_size=inter or moe_size,
+        num_layers=n_layers, num_heads=h, num_kv_heads=kv, head_dim=hd,
+        rope_theta=r.pos_num("rope_theta", 10000.0), rms_eps=r.pos_num("rms_norm_eps", 1e-5),
+        qkv_bias=r.flag("use_qkv_bias", False), o_bias=False, logit_shift=0,
+        attention="block_causal", attention_block=block, tie_embeddings=r.flag("tie_word_embeddings", False),
+        max_length=r.pos_int("max_position_embeddings", 16384), position_mode="cumsum",
+        qk_norm=r.flag("use_qk_norm", True), rotary_dim=rotary,
+        num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=moe_size, shared_intermediate_size=shared,
+        first_dense_layers=dense_layers, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=r.pos_num("routed_scaling_factor", 2.5), norm_topk_prob=r.flag("norm_topk_prob", True),
+        expert_bias=r.flag("moe_router_enable_expert_bias", True),
+    )
+
+
+def _llada2_to(c: ModelConfig) -> dict:
+    out = dict(
+        architectures=["LLaDA2MoeModelLM"], hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_eps, vocab_size=c.vocab_size,
+        tie_word_embeddings=c.tie_embeddings, max_position_embeddings=c.max_length, hidden_act="silu",
+        use_qkv_bias=c.qkv_bias, use_bias=False, use_qk_norm=c.qk_norm, norm_head=False,
+        partial_rotary_factor=(c.rotary_dim or c.head_dim) / c.head_dim, rope_scaling=None,
+        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size, num_shared_experts=c.shared_intermediate_size // c.moe_intermediate_size,
+        first_k_dense_replace=c.first_dense_layers, n_group=c.n_group, topk_group=c.topk_group,
+        routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob, score_function="sigmoid",
+        moe_router_enable_expert_bias=c.expert_bias, router_dtype="fp32",
+    )
+    if c.shared_intermediate_size % c.moe_intermediate_size:     # one shared expert of its own size (SGLang's field)
+        out.update(num_shared_experts=1, moe_shared_expert_intermediate_size=c.shared_intermediate_size)
+    if c.attention_block != LLADA2_BLOCK:
+        out["block_length"] = c.attention_block
+    return out
+
+
+def _check_moe(experts: int, k: int, n_group: int, topk_group: int, names: tuple, where: str) -> None:
+    """Grouped top-k routing must be able to choose: equal groups, topk_group of them, and enough
+    experts inside the chosen groups for k (each group is ranked by the sum of its top two scores,
+    so a group that can lose needs two experts)."""
+    ne, nk, ng, ntg = names
+    if k > experts:
+        raise CheckpointError(f"{where}{nk} {k} exceeds {ne} {experts}")
+    if experts % n_group:
+        raise CheckpointError(f"{where}{ng} {n_group} does not divide {ne} {experts} (expert groups are equal)")
+    if topk_group > n_group:
+        raise CheckpointError(f"{where}{ntg} {topk_group} exceeds {ng} {n_group}")
+    size = experts // n_group
+    if k > topk_group * size:
+        raise CheckpointError(f"{where}{nk} {k} exceeds the {topk_group * size} experts of the {ntg} {topk_group} "
+                              f"groups chosen ({size} experts a group)")
+    if topk_group < n_group and size < 2:
+        raise CheckpointError(f"{where}{ng} {n_group} leaves one expert a group; groups are ranked by their top "
+                              f"two scores, so each needs at least two")
+
+
+_FROM_HF = {"llada": _llada_from, "dream": _qwen_like_from, "pangu": _qwen_like_from, "llada2": _llada2_from}
 # the config.json field that sets the number of embedding rows, for messages
 _VOCAB_KEY = {"llada": lambda raw: "embedding_size" if raw.get("embedding_size") else "vocab_size",
-              "dream": lambda raw: "vocab_size", "pangu": lambda raw: "vocab_size"}
-_TO_HF = {"llada": _llada_to, "dream": _qwen_like_to, "pangu": _qwen_like_to}
+              "dream": lambda raw: "vocab_size", "pangu": lambda raw: "vocab_size", "llada2": lambda raw: "vocab_size"}
+_TO_HF = {"llada": _llada_to, "dream": _qwen_like_to, "pangu": _qwen_like_to, "llada2": _llada2_to}
 
 
 _MISSING = object()
@@ -322,6 +477,13 @@ class _Fields:
         v, given = self._get(key, default)
         if given and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             self.fail(key, "a positive integer", v)
+        return v
+
+    def count(self, key: str, default=_MISSING):
+        """A non-negative integer (a number of things that may be none)."""
+        v, given = self._get(key, default)
+        if given and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            self.fail(key, "a non-negative integer", v)
         return v
 
     def pos_num(self, key: str, default=_MISSING):

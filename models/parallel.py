@@ -99,6 +99,9 @@ def check_divisible(config, world: int) -> None:
     """A ParallelError of one line unless every split size of `config` divides by `world`."""
     if world <= 1:
         return
+    if config.num_experts:
+        raise ParallelError(f"tensor parallel is not implemented for mixture-of-experts models ({config.family}, "
+                            f"{config.num_experts} experts): run it on one process")
     sizes = (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
              ("intermediate_size", config.intermediate_size))
     bad = [f"{name} {n}" for name, n in sizes if n % world]

@@ -1,7 +1,7 @@
 """Small real-layout checkpoint directories with random weights: for tests, and for trying the
 engine or an integration without any real weights.
 
-    python -m models.random_checkpoint OUT_DIR [--family llada|dream|pangu] [--seed N]
+    python -m models.random_checkpoint OUT_DIR [--family llada|dream|pangu|llada2] [--seed N]
 
 writes config.json, model.safetensors, tokenizer.json (word-level: word `t<i>` is token i) and a
 tokenizer_config.json with a chat template, in the chosen family's real layout.
@@ -42,6 +42,12 @@ def make_checkpoint(path: Path, family: str = "llada", seed: int = 0, std: float
     embedding (as real LLaDA's)."""
     cfg = ModelConfig.tiny(family, **overrides)
     model = init_random(cfg, seed=seed, std=std)
+    with torch.no_grad():
+        for layer in model.layers:
+            if getattr(layer.mlp, "expert_bias", None) is not None:
+                # a bias of the scores' own scale: it reorders close experts instead of fixing
+                # every token's choice (init_random's biases are 5 std, 1.5 here)
+                layer.mlp.expert_bias.mul_(0.1 / (5 * std))
     if eos_bias:
         w = model.tok_embeddings.weight if model.output is None else model.output.weight
         with torch.no_grad():

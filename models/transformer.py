@@ -1,10 +1,13 @@
-"""One config-driven transformer for LLaDA, Dream and openPangu-Diffusion.
+"""One config-driven transformer for LLaDA, Dream, openPangu-Diffusion and LLaDA2.x.
 
-The families differ only in config fields (docs/algorithms.md §7): q/k/v and o biases, GQA, RoPE θ,
-RMS eps, logit shift, attention mode (bidirectional or context-causal blocks), position ids with
-left padding. The forward takes an explicit boolean attention mask for the tokens it runs and,
-optionally, a KV cache of other canvas positions; it returns logits only for the query slice the
-caller asks for, because the engine needs predictions for one block, not the whole canvas.
+The families differ only in config fields (docs/algorithms.md §7, docs/models.md): q/k/v and o
+biases, GQA, RoPE θ, RMS eps, logit shift, attention mode (bidirectional, context-causal or
+block-causal), position ids with left padding; LLaDA2 adds QK-norm, RoPE on part of each head and a
+mixture-of-experts feed-forward (sigmoid router with an expert-score bias, grouped top-k, shared
+experts; the experts run in `psd_kernels.moe`). The forward takes an explicit boolean attention
+mask for the tokens it runs and, optionally, a KV cache of other canvas positions; it returns
+logits only for the query slice the caller asks for, because the engine needs predictions for one
+block, not the whole canvas.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [R, 1, T, D] for integer positions [R, T] (rotate-half convention)."""
+    """cos/sin [R, 1, T, D] for integer positions [R, T] (rotate-half convention); `head_dim` is
+    the rotary dimension D, which may be only the first part of a head (partial rotary)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
     f = pos.float()[..., None] * inv                      # [R, T, D/2]
     emb = torch.cat((f, f), dim=-1)[:, None]              # [R, 1, T, D]
@@ -45,7 +49,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    # partial rotary: the first r features turn, the rest pass unchanged
+    xr = x[..., :r]
+    return torch.cat((xr * cos + _rotate_half(xr) * sin, x[..., r:]), dim=-1)
 
 
 @dataclass
@@ -126,12 +135,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
         self.wv = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
         self.wo = nn.Linear(self.h * self.d, c.hidden_size, bias=c.o_bias)
+        # QK-norm (LLaDA2): one RMSNorm over each head's features, shared by the heads, before RoPE
+        self.q_norm = RMSNorm(self.d, c.rms_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.d, c.rms_eps) if c.qk_norm else None
 
     def forward(self, x, cos, sin, own_mask, cache_kv, cache):
         R, T, _ = x.shape
         q = self.wq(x).view(R, T, self.h, self.d).transpose(1, 2)       # [R, H, T, D]
         k = self.wk(x).view(R, T, self.hkv, self.d).transpose(1, 2)     # [R, Hkv, T, D]
         v = self.wv(x).view(R, T, self.hkv, self.d).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attend(q, k, v, own_mask, cache_kv, cache, all_own=self.bidirectional)
         return row_parallel(self.wo, o.transpose(1, 2).reshape(R, T, self.h * self.d), self.tp), (k, v)
@@ -140,10 +154,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU; under tensor parallelism gate/up are column-parallel and down row-parallel."""
 
-    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None):
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None, size: int | None = None):
         super().__init__()
         self.tp = tp
-        inner = c.intermediate_size // (tp.world if tp is not None else 1)
+        inner = (size or c.intermediate_size) // (tp.world if tp is not None else 1)
         self.w_gate = nn.Linear(c.hidden_size, inner, bias=False)
         self.w_up = nn.Linear(c.hidden_size, inner, bias=False)
         self.w_down = nn.Linear(inner, c.hidden_size, bias=False)
@@ -152,13 +166,62 @@ class MLP(nn.Module):
         return row_parallel(self.w_down, F.silu(self.w_gate(x)) * self.w_up(x), self.tp)
 
 
+class MoE(nn.Module):
+    """LLaDA2's mixture-of-experts feed-forward: each token's k routed SwiGLU experts, weighted,
+    plus the shared experts every token runs (one SwiGLU of their summed size).
+
+    Routing (`route`) as the checkpoints were trained, in fp32: scores = sigmoid(router · x); the
+    choice ranks scores + expert_bias (the bias steers which experts are chosen, never how much
+    they count); experts form n_group equal groups, each group scored by the sum of its two best
+    biased scores, and only the topk_group best groups stay eligible; the k best eligible experts
+    are chosen; their weights are the unbiased scores, renormalised to sum 1 (norm_topk_prob),
+    times routed_scaling_factor. The experts are stacked [E, I, H] / [E, H, I] parameters (the
+    loader stacks the checkpoint's per-expert tensors) run by `psd_kernels.moe`."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        self.k, self.groups, self.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
+        self.scale, self.renormalise = c.routed_scaling_factor, c.norm_topk_prob
+        self.router = nn.Linear(H, E, bias=False)
+        self.expert_bias = nn.Parameter(torch.zeros(E)) if c.expert_bias else None
+        self.w_gate = nn.Parameter(torch.empty(E, I, H))
+        self.w_up = nn.Parameter(torch.empty(E, I, H))
+        self.w_down = nn.Parameter(torch.empty(E, H, I))
+        self.shared = MLP(c, size=c.shared_intermediate_size) if c.shared_intermediate_size else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k] int64, weights [T, k] fp32) of tokens x [T, H]."""
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))          # [T, E]
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.topk_group < self.groups:
+            T, E = choice.shape
+            grouped = choice.view(T, self.groups, E // self.groups)
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices   # [T, topk_group]
+            keep = torch.zeros(T, self.groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // self.groups, dim=1), float("-inf"))
+        ids = choice.topk(self.k, dim=-1).indices
+        w = scores.gather(1, ids)
+        if self.renormalise:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * self.scale
+
+    def forward(self, x):
+        import psd_kernels
+
+        flat = x.reshape(-1, x.shape[-1])                                                 # [R·T, H]
+        ids, w = self.route(flat)
+        y = psd_kernels.moe(flat, self.w_gate, self.w_up, self.w_down, ids, w).view_as(x)
+        return y if self.shared is None else y + self.shared(x)
+
+
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None):
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.attn = Attention(c, tp)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.mlp = MLP(c, tp)
+        self.mlp = MoE(c) if c.is_moe_layer(index) else MLP(c, tp)
 
     def forward(self, x, cos, sin, own_mask, cache_kv, cache):
         a, kv = self.attn(self.attn_norm(x), cos, sin, own_mask, cache_kv, cache)
@@ -180,7 +243,7 @@ class Transformer(nn.Module):
         self.config = config
         self.tp = tp
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, tp, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -221,7 +284,7 @@ class Transformer(nn.Module):
     ):
         """Returns (logits [R, out_len, V], per-layer (k, v) of the T positions if return_kv)."""
         x = self.tok_embeddings(ids)
-        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(pos, self.config.rotary_dim or self.config.head_dim, self.config.rope_theta, x.dtype)
         kvs = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, own_mask, cache.layers[i] if cache is not None else None, cache)
@@ -253,13 +316,20 @@ def attention_mask(
 
     bidirectional: every non-pad key. context_causal (openPangu): the context (prompt and
     finished blocks, index < block_start) attends causally; generation blocks attend to the
-    whole context and bidirectionally within their own block, never to later blocks. A query
-    always sees itself, so a pad row never has an empty softmax (NaN would leak through 0·NaN).
+    whole context and bidirectionally within their own block, never to later blocks.
+    block_causal (LLaDA2): position i sees position j iff j's block is not after i's, blocks of
+    `config.attention_block` counted from each sequence's first token (its position id), so the
+    prompt fills the first blocks and a left-padded row sees what it would unpadded; the
+    canvas arguments (prompt_len, block_start, block_len) play no part. A query always sees
+    itself, so a pad row never has an empty softmax (NaN would leak through 0·NaN).
     """
     i, j = q_idx[:, None], k_idx[None, :]
     kv = valid[:, k_idx][:, None, None, :]                         # [R, 1, 1, Tk]
     if config.attention == "bidirectional":
         m = kv.expand(valid.shape[0], 1, len(q_idx), len(k_idx))
+    elif config.attention == "block_causal":
+        blk = torch.div(position_ids(config, valid), config.attention_block, rounding_mode="floor")   # [R, N]
+        m = kv & (blk[:, k_idx][:, None, None, :] <= blk[:, q_idx][:, None, :, None])
     else:
         ctx_j = j < block_start
         blk = lambda p: torch.div(p - prompt_len, block_len, rounding_mode="floor")  # noqa: E731
