@@ -3,7 +3,8 @@
 One server (the shipped model, default limits, a plugin policy that fails while decoding) in a
 subprocess, as tests/test_serve.py starts it. Each class of hostile input is one test: numeric
 options out of range, bodies beyond --max-body-bytes, JSON a Python parser accepts but the engine
-cannot use, a request that fails inside the worker, and a bad --port or --host. Every hostile request must get a 4xx with a one-line JSON error, the server's peak memory
+cannot use, a request that fails inside the worker, field names that would split a header or forge
+a log line, and a bad --port or --host. Every hostile request must get a 4xx with a one-line JSON error, the server's peak memory
 (VmHWM, reset through /proc/PID/clear_refs) must not grow with the size of what was asked for,
 and the next good request must be answered.
 """
@@ -334,7 +335,51 @@ def test_a_request_that_fails_while_decoding_does_not_wedge_the_worker(server):
     assert server.health()["status"] == "ok" and server.proc.poll() is None
 
 
-# ------------------------------------------------------------------------------ 4. --port, --host
+# ------------------------------------------------------------------------------ 4. field names
+NAMES = {  # an unknown field's name -> how the X-PSD-Ignored-Fields header names it
+    "crlf": ("a\r\nX-Evil: 1", "a%0D%0AX-Evil:%201"),      # split the header: the connection was dropped
+    "nul": ("n\x00l", "n%00l"),                             # likewise
+    "beyond latin-1": ("\u540d\u524d", "%E5%90%8D%E5%89%8D"),  # no header value at all: a 500
+    "latin-1": ("\u00e9", "%C3%A9"),
+    "forged log line": ("\nerror: forged", "%0Aerror:%20forged"),
+    "long": ("x" * 5000, "x" * 64 + "..."),
+    "comma": ("a,b", "a%2Cb"),                               # would split the list
+}
+
+
+@pytest.mark.parametrize("case", list(NAMES))
+def test_field_names_are_data_never_headers_or_log_lines(server, case):
+    """An unknown field is named back in the X-PSD-Ignored-Fields header and the server's log line:
+    each name goes out percent-encoded as printable ASCII and cut; JSON (psd.ignored_fields) carries
+    it as data."""
+    name, header = NAMES[case]
+    r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 4, name: 1})
+    assert r.status_code == 200, r.text
+    assert "x-evil" not in r.headers
+    assert r.headers["x-psd-ignored-fields"] == header and r.headers["x-psd-ignored-count"] == "1"
+    assert r.json()["psd"]["ignored_fields"] == [name[:64]]
+    log = server.log.read_text(encoding="utf-8", errors="replace").splitlines()
+    assert not any(line.startswith("error: forged") for line in log)
+    assert any(line.startswith("warning: ") and line.endswith(f"ignored unknown fields {header} (--strict refuses "
+                                                              f"them)") for line in log)
+
+
+def test_unknown_fields_echoed_are_capped(server):
+    """100 000 unknown fields made a 690 KB header: the first 16 are named, with their count, and a
+    request with more than 64 (each is compared with every known name) is a 400."""
+    before = server.health()
+    many = {f"field{i}": i for i in range(40)}
+    r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 4, **many})
+    assert r.status_code == 200 and r.headers["x-psd-ignored-count"] == "40", r.text
+    assert r.headers["x-psd-ignored-fields"].split(",") == list(many)[:16]
+    assert len(r.json()["psd"]["ignored_fields"]) == 16 and r.json()["psd"]["ignored_count"] == 40
+    r = _post(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 4, **{f"k{i}": 0 for i in range(100_000)}})
+    assert "more than 64 unknown fields" in _refusal(r)["message"]
+    assert sum(len(k) + len(v) for k, v in r.headers.items()) < 1000
+    _still_serves(server, before)
+
+
+# ------------------------------------------------------------------------------ 5. --port, --host
 def test_bad_port_or_host_is_one_error_line(tmp_path, monkeypatch, capsys):
     """Checked by binding before the model is read: exit status 2 and exactly one `error:` line on
     stderr, never a traceback or uvicorn's abort. Every case runs in-process through

@@ -1,6 +1,7 @@
 """engine.serve's API breadth and operations (issue 23, items 2 and 3), through the real `openai`
-client: n > 1, prompt lists, top_p/top_k, logprobs and top alternatives (streamed too), echo, ignore_eos, min_tokens, unknown fields
-(ignored with a header; refused with --strict), a random seed per unseeded sampled request, the
+client: n > 1, prompt lists, top_p/top_k, logprobs and top alternatives (streamed too), echo,
+ignore_eos, min_tokens, unknown fields (ignored with a header; refused with --strict), fields that
+would change the answer (refused, issue 33 item 3), a random seed per unseeded sampled request, the
 `psd` object of every answer, --api-key, /metrics, /version and --help.
 
 Two servers in subprocesses on free ports, the shipped model in fp32 on the CPU: `keyed` (--api-key,
@@ -352,22 +353,45 @@ def test_psd_object_says_what_max_tokens_decoded(server):
 
 def test_unknown_fields_are_ignored_with_a_header(server, strict):
     raw = server.client().completions.with_raw_response.create(
-        model=NAME, prompt=PROMPTS[0], max_tokens=8, extra_body={"treshold": 0.5, "frobnicate": [1]})
-    assert raw.headers["x-psd-ignored-fields"] == "treshold,frobnicate"
+        model=NAME, prompt=PROMPTS[0], max_tokens=8, extra_body={"frobnicate": [1], "x_trace": "t"})
+    assert raw.headers["x-psd-ignored-fields"] == "frobnicate,x_trace"
+    assert raw.headers["x-psd-ignored-count"] == "2"
     r = raw.parse()
-    assert _psd(r)["ignored_fields"] == ["treshold", "frobnicate"]
+    assert _psd(r)["ignored_fields"] == ["frobnicate", "x_trace"]
     plain = server.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8)
     assert r.choices[0].text == plain.choices[0].text              # ignored: the answer is the default one
-    assert "ignored unknown fields treshold, frobnicate" in server.log.read_text()
-    ok = server.client().completions.with_raw_response.create(model=NAME, prompt=PROMPTS[0], max_tokens=8)
-    assert "x-psd-ignored-fields" not in ok.headers
-    # a misspelt option in the nested decoding object is still an error
-    with pytest.raises(openai.BadRequestError, match="unknown decoding option"):
-        server.client().completions.create(model=NAME, prompt="x", max_tokens=8,
-                                           extra_body={"decoding": {"treshold": 0.5}})
+    assert "ignored unknown fields frobnicate, x_trace" in server.log.read_text()
+    ok = server.client().completions.with_raw_response.create(model=NAME, prompt=PROMPTS[0], max_tokens=8,
+                                                              extra_body={"repetition_penalty": 1, "user": "u"})
+    assert "x-psd-ignored-fields" not in ok.headers                # neutral or no effect: nothing ignored
     # --strict: today's 400
-    with pytest.raises(openai.BadRequestError, match="unknown field 'treshold'"):
-        strict.client().completions.create(model=NAME, prompt="x", max_tokens=8, extra_body={"treshold": 0.5})
+    with pytest.raises(openai.BadRequestError, match="unknown field 'frobnicate'"):
+        strict.client().completions.create(model=NAME, prompt="x", max_tokens=8, extra_body={"frobnicate": 0.5})
+
+
+def test_fields_that_would_change_the_answer_are_refused(server):
+    """No silent semantics (issue 33 item 3): a misspelt option, a field that changes decoding in
+    OpenAI or vLLM, and the other endpoint's prompt field are 400s naming the field, through the
+    client (tests/test_serve_protocol.py goes field by field)."""
+    client = server.client()
+    cases = [  # (endpoint, extra body, param, words of the message)
+        ("completions", {"treshold": 0.5}, "treshold", "did you mean 'threshold'?"),
+        ("completions", {"decoding": {"treshold": 0.5}}, "decoding", "did you mean 'threshold'?"),
+        ("completions", {"guided_json": {"type": "object"}}, "guided_json", "guided_json is not supported"),
+        ("completions", {"repetition_penalty": 1.3}, "repetition_penalty", "only 1 (no effect)"),
+        ("completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages", "completions take a prompt"),
+        ("chat", {"prompt": "hi"}, "prompt", "chat takes messages"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format", "response_format is not supported"),
+    ]
+    for endpoint, extra, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            if endpoint == "chat":
+                client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, extra_body=extra)
+            else:
+                client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=extra)
+        err = e.value.body
+        assert err["param"] == param and words in err["message"], (extra, err)
 
 
 # ---------------------------------------------------------------------------------------- auth and ops

@@ -14,7 +14,7 @@ import traceback
 import uuid
 
 from .answer import Answer
-from .protocol import ApiError, check_length_header, parse_body, too_large
+from .protocol import MAX_ECHOED, MAX_NAME, ApiError, check_length_header, parse_body, shown, too_large
 from .worker import Job, QueueFull
 
 
@@ -272,8 +272,13 @@ async def handle(server, request, chat: bool):
     spec = jobs[0].spec
     headers = {}
     if spec.ignored:
-        headers["X-PSD-Ignored-Fields"] = ",".join(spec.ignored)
-        print(f"warning: {path}: ignored unknown fields {', '.join(spec.ignored)} (--strict refuses them)",
+        # field names are the client's data: percent-encoded to printable ASCII (no CR, LF or NUL
+        # splits the header or forges a log line), each cut, the first MAX_ECHOED of them named
+        names = [shown(k) for k in spec.ignored[:MAX_ECHOED]]
+        more = f" and {len(spec.ignored) - MAX_ECHOED} more" if len(spec.ignored) > MAX_ECHOED else ""
+        headers["X-PSD-Ignored-Fields"] = ",".join(names)
+        headers["X-PSD-Ignored-Count"] = str(len(spec.ignored))
+        print(f"warning: {path}: ignored unknown fields {', '.join(names)}{more} (--strict refuses them)",
               file=sys.stderr, flush=True)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     answers = [Answer(server.tok, j.spec.max_tokens, j.spec.stop, server.mc.stop_token_ids, j.spec.config.min_tokens)
@@ -371,8 +376,9 @@ class Run:
                            "max_tokens": j.spec.max_tokens, "gen_length": j.spec.config.gen_length,
                            "calls": r.calls, "tpf": round(r.tpf, 4), "decoded_tokens": r.tokens}
                           for j, r in zip(self.jobs, self.results)]
-        if first.ignored:
-            out["ignored_fields"] = list(first.ignored)
+        if first.ignored:          # JSON carries any name as data; the first MAX_ECHOED, each cut
+            out["ignored_fields"] = [k[:MAX_NAME] for k in first.ignored[:MAX_ECHOED]]
+            out["ignored_count"] = len(first.ignored)
         return out
 
 

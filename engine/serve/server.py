@@ -17,7 +17,7 @@ from ..config import DecodeConfig, check_prompts
 from ..errors import InputError
 from ..options import MAX_TOP_LOGPROBS, OPTIONS
 from ..results import SequenceResult
-from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_N, NEUTRAL, ApiError, Spec, bad, int_field,
+from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, MAX_N, ApiError, Spec, bad, int_field,
                        merge_options, one_line, request_options, short, size_problem, stop_field)
 from .worker import Scheduler
 
@@ -125,9 +125,6 @@ class Server:
         if model != self.name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
                            "model_not_found", "model")
-        for name, (neutral, message) in NEUTRAL.items():
-            if name in fields and body.get(name) is not None and not neutral(body[name]):
-                raise bad(message, name, "unsupported")
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise bad("stream must be a boolean", "stream")
