@@ -20,10 +20,11 @@ from models import DTYPES, CheckpointError
 from .errors import DecodingError, InputError
 from .graph import DraftGraph
 from .methods import METHODS, methods_taking, policy_methods
-from .options import OPTIONS, join
+from .options import OPTIONS, POLICY_NAMES, join
 
 PLUGIN_ENV = "PSD_PLUGINS"                  # comma-separated modules or .py files
 PLUGIN_GROUP = "psd_engine.plugins"         # entry points of installed packages
+PLUGIN_REPLACES = "REPLACES"                # a plugin's names of the methods/options it replaces on purpose
 _LOADED: dict[str, object] = {}
 
 
@@ -156,7 +157,8 @@ def plugins_loaded(argv) -> bool:
 
 def load_plugins(argv=None) -> list[str]:
     """Import every plugin named in `argv` (`--plugin`), in $PSD_PLUGINS and by installed entry points,
-    once each; a plugin that cannot be imported is one InputError naming it and why."""
+    once each; a plugin that cannot be imported, calls sys.exit, or replaces a method or option that
+    was registered before it (without naming it in REPLACES) is one InputError naming it and why."""
     argv = sys.argv[1:] if argv is None else argv
     names = _plugin_names(argv)
     try:
@@ -168,13 +170,35 @@ def load_plugins(argv=None) -> list[str]:
     for name in names:
         if name in _LOADED:
             continue
+        before = dict(METHODS), dict(OPTIONS), list(POLICY_NAMES)
         try:
-            _LOADED[name] = _import(name)
-        except InputError:
-            raise
-        except Exception as e:                           # ImportError, or the plugin's own failure
+            module = _import(name)
+            _check_replaced(name, module, before)
+        except BaseException as e:
+            METHODS.clear(), METHODS.update(before[0])   # a refused plugin leaves the tables as they were
+            OPTIONS.clear(), OPTIONS.update(before[1])
+            POLICY_NAMES[:] = before[2]
+            if isinstance(e, InputError):
+                raise
+            if isinstance(e, SystemExit):                # exit 0 with no output would look like success
+                raise InputError(f"cannot load plugin {name!r}: it called sys.exit({e.code!r}) while being "
+                                 f"imported") from None
+            if not isinstance(e, Exception):             # KeyboardInterrupt
+                raise
             raise InputError(f"cannot load plugin {name!r}: {type(e).__name__}: {e}") from None
+        _LOADED[name] = module
     return names
+
+
+def _check_replaced(name: str, module, before) -> None:
+    """A plugin adds methods and options; one that replaces or removes one already registered (a
+    built-in's meaning would change under every front end) must name it in its REPLACES."""
+    asked = set(getattr(module, PLUGIN_REPLACES, ()) or ())
+    for kind, table, old in (("method", METHODS, before[0]), ("option", OPTIONS, before[1])):
+        changed = [key for key, value in old.items() if table.get(key) is not value and key not in asked]
+        if changed:
+            raise InputError(f"plugin {name!r} replaces the {kind} {changed[0]!r}, which was already registered; "
+                             f"a plugin that means to must say so: {PLUGIN_REPLACES} = ({changed[0]!r},)")
 
 
 def resolve_device(name: str) -> str:

@@ -100,3 +100,83 @@ def test_bench_eval_calibrate_speed_and_server_see_the_plugin(setup):
     _run([*speed[:1], "--plugin", "my_policies", *speed[1:]], tmp)
     assert "leftfirst" in (tmp / "speed").joinpath("speed.csv").read_text()
     assert "leftfirst" in _run(["engine.serve", "--plugin", "my_policies", "--help"], tmp).stdout
+
+
+# ------------------------------------------------------------------------ replacing, exiting (issue 33 item 5)
+REPLACING = '''
+import engine
+
+REPLACES = {asks}
+engine.register(engine.Method("confidence", "greedy under confidence's name", engine.Greedy, is_policy=True))
+'''
+RELAXING = '''
+from dataclasses import dataclass
+
+import engine
+
+
+@dataclass(frozen=True)
+class Loose(engine.Confidence):
+    name = "loose"
+    declares = (engine.Option("threshold", float, "any threshold at all"),)
+
+
+engine.register(engine.Method("loose", "confidence with any threshold", Loose, is_policy=True))
+'''
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    """The method and option tables, restored after the test; no plugins from the environment."""
+    from engine import frontend
+    from engine.methods import METHODS
+    from engine.options import OPTIONS, POLICY_NAMES
+
+    monkeypatch.delenv(frontend.PLUGIN_ENV, raising=False)
+    saved = dict(METHODS), dict(OPTIONS), list(POLICY_NAMES), dict(frontend._LOADED)
+    yield METHODS, OPTIONS
+    METHODS.clear(), METHODS.update(saved[0])
+    OPTIONS.clear(), OPTIONS.update(saved[1])
+    POLICY_NAMES[:] = saved[2]
+    frontend._LOADED.clear(), frontend._LOADED.update(saved[3])
+
+
+def test_a_plugin_cannot_silently_replace_a_method_or_an_option(tmp_path, tables):
+    """Registering `confidence` again, or a policy declaring `threshold` anew, would change what
+    every front end decodes under a built-in name: an error naming it, the tables left as they were;
+    a plugin that lists the name in REPLACES does replace it."""
+    from engine import InputError
+    from engine.frontend import load_plugins
+
+    methods, options = tables
+    confidence, threshold = methods["confidence"], options["threshold"]
+    (tmp_path / "sneaky.py").write_text(REPLACING.format(asks="()"))
+    with pytest.raises(InputError, match="plugin .*sneaky.py' replaces the method 'confidence'.*REPLACES"):
+        load_plugins(["--plugin", str(tmp_path / "sneaky.py")])
+    assert methods["confidence"] is confidence
+    (tmp_path / "loose.py").write_text(RELAXING)
+    with pytest.raises(InputError, match="replaces the option 'threshold'"):
+        load_plugins(["--plugin", str(tmp_path / "loose.py")])
+    assert options["threshold"] is threshold and "loose" not in methods
+    (tmp_path / "meant.py").write_text(REPLACING.format(asks="('confidence',)"))
+    load_plugins(["--plugin", str(tmp_path / "meant.py")])
+    assert methods["confidence"].policy is methods["greedy"].policy
+
+
+@pytest.mark.parametrize("call", ["sys.exit(0)", "sys.exit()", "sys.exit(3)", "raise SystemExit('bye')"])
+def test_sys_exit_in_a_plugin_is_an_error(tmp_path, tables, call, capsys):
+    """A plugin that exits while it is imported made the front end exit 0 with no output."""
+    from engine.frontend import plugins_loaded
+
+    (tmp_path / "quits.py").write_text(f"import sys\n{call}\n")
+    assert plugins_loaded(["--plugin", str(tmp_path / "quits.py")]) is False
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot load plugin") and "sys.exit(" in err and err.count("\n") == 1
+
+
+def test_sys_exit_in_a_plugin_fails_the_command(setup):
+    tmp, _ = setup
+    (tmp / "exits_quietly.py").write_text("import sys\nsys.exit(0)\n")
+    p = _run(["engine.generate", "x", "--plugin", "exits_quietly"], tmp, check_rc=2)
+    assert p.stderr.startswith("error: cannot load plugin 'exits_quietly': it called sys.exit(0)"), p.stderr
+    assert p.stderr.count("\n") == 1 and p.stdout == ""
