@@ -236,7 +236,7 @@ def test_gpu_report_dry_run(tmp_path):
     assert summary.startswith("# GPU report (dry") and "All sections passed." in summary
     sections = list(csv.DictReader(open(out / "sections.tsv"), delimiter="\t"))
     assert [s["section"] for s in sections] == ["environment", "kernel_tests", "bench_top1", "bench_draft",
-                                                "sparse_attn_llada_8b", "sparse_attn_dream_7b", "cost_curve_llada_8b",
+                                                "sparse_attn_llada_8b", "sparse_attn_dream_7b", "bench_moe", "cost_curve_llada_8b",
                                                 "cost_curve_dream_7b", "end_to_end"]
     assert all(s["status"] == "ok" and (out / s["log"]).is_file() for s in sections)
     env_info = json.loads((out / "environment.json").read_text())
@@ -251,6 +251,7 @@ def test_gpu_report_dry_run(tmp_path):
     assert all(t["outcome"] in ("passed", "skipped") for t in tests) and any(t["outcome"] == "passed" for t in tests)
     rows(out / "kernels" / "top1" / "bench_top1_cpu.csv", {"provider", "gbps", "device", "torch", "triton"})
     rows(out / "kernels" / "draft" / "bench_draft_cpu.csv", {"bench", "provider", "us"})
+    rows(out / "kernels" / "moe" / "bench_moe_cpu.csv", {"provider"})
     for shape in ("llada_8b", "dream_7b"):
         rows(out / "kernels" / f"sparse_attn_{shape}" / "bench_sparse_attn_cpu.csv", {"provider", "drafts", "ms"})
         prof = json.loads((out / f"cost_{shape}" / "cost_profile.json").read_text())
