@@ -74,9 +74,9 @@ class Launches:
 
 
 def _pause_triton_kernels(monkeypatch, counter):
-    from psd_kernels.ops import draft, sparse_attn, top1
+    from psd_kernels.ops import draft, moe, sparse_attn, top1
 
-    for module in (draft, sparse_attn, top1):
+    for module in (draft, moe, sparse_attn, top1):
         for name in dir(module):      # the launched kernels (not the jit helpers they call)
             obj = getattr(module, name)
             if name.endswith("_kernel") and type(obj).__name__ in ("JITFunction", "Autotuner", "InterpretedFunction"):
