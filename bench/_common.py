@@ -1,5 +1,5 @@
 """Shared plumbing of the kernel microbenchmarks: device description, timing, peak copy
-bandwidth and CSV output under ``bench/results/``.
+bandwidth and CSV output under ``runs/bench/`` of the current directory.
 
 On CUDA, times come from ``triton.testing.do_bench`` (median, L2 flushed between runs); on CPU
 from a perf_counter loop (median). Every CSV row carries the device name and the torch and
@@ -20,9 +20,10 @@ from typing import Callable
 
 import torch
 
-# microbenchmark CSVs go to the git-ignored runs/bench/ (bench/results/ holds the committed tables,
-# which only bench/reproduce_results.sh writes); PSD_BENCH_RESULTS=DIR sends them elsewhere
-RESULTS = Path(os.environ.get("PSD_BENCH_RESULTS") or Path(__file__).resolve().parent.parent / "runs" / "bench")
+# microbenchmark CSVs go to runs/bench/ under the current directory (git-ignored in a checkout; never
+# inside an installed package; bench/results/ holds the committed tables, which only
+# bench/reproduce_results.sh writes); PSD_BENCH_RESULTS=DIR sends them elsewhere
+RESULTS = Path(os.environ.get("PSD_BENCH_RESULTS") or "runs/bench")
 
 
 def default_device() -> torch.device:

@@ -29,7 +29,8 @@ difference from the reference output.
 Timing: on CUDA ``triton.testing.do_bench`` per provider (median); on CPU the providers are
 timed in interleaved repeats (one call of each per round, the order rotated every round) and
 ``ms`` is the median, ``ms_min`` the minimum, so a loaded machine slows every provider alike.
-Results: CSV with the device name and torch/triton versions (bench/results/bench_sparse_attn_<device>.csv).
+Results: CSV with the device name and torch/triton versions (runs/bench/bench_sparse_attn_<device>.csv under
+the current directory, or PSD_BENCH_RESULTS).
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ so the torch numbers are *effective* bandwidths. ``peak_frac`` divides by the me
 device-to-device copy bandwidth, ``hbm_frac`` (CUDA) by the card's nominal HBM bandwidth
 (memory clock x bus width from the device properties, else a table of known cards).
 On CPU the providers are timed in interleaved rounds (``ms`` median, ``ms_min`` minimum).
-Results: CSV with the device name and versions (bench/results/bench_top1_<device>.csv).
+Results: CSV with the device name and versions (runs/bench/bench_top1_<device>.csv under the current
+directory, or PSD_BENCH_RESULTS).
 """
 from __future__ import annotations
 

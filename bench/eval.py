@@ -191,7 +191,7 @@ def merge_plot_data(parts):
     return results, traces
 
 
-RUNS = Path(__file__).resolve().parent.parent / "runs"       # git-ignored
+RUNS = Path("runs")     # under the current directory (git-ignored in a checkout), never inside an installed package
 
 
 def _writable_dir(path: Path, what: str) -> None:
@@ -210,7 +210,7 @@ def _output_file(args, rank: int) -> Path:
     unwritable path fails before any decoding."""
     if args.out is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        out = RUNS / f"eval-{args.task}-{stamp}-{os.getpid()}" / "results.jsonl"
+        out = RUNS.resolve() / f"eval-{args.task}-{stamp}-{os.getpid()}" / "results.jsonl"
     else:
         out = Path(args.out)
     if rank != 0:

@@ -51,9 +51,13 @@ from models import CheckpointError, ModelConfig, Tokenizer, attention_mask, load
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
-except ImportError as _e:  # pragma: no cover - the module is useless without the harness
-    raise ImportError(f"bench.lm_eval needs lm-evaluation-harness ({_e}); install it with "
-                      f"pip install -e .[lm_eval]") from _e
+except ImportError as _e:  # the module is useless without the harness
+    _MISSING = (f"bench.lm_eval needs lm-evaluation-harness ({_e}); install it with pip install "
+                f"'psd-engine[lm_eval]' (from a checkout: pip install -e '.[lm_eval]')")
+    if __name__ == "__main__":          # the command line, --help too: one line, as every front end
+        print(f"error: {_MISSING}", file=sys.stderr)
+        sys.exit(2)
+    raise ImportError(_MISSING) from _e
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +282,7 @@ class PsdLM(LM):
 
         self.model_dir, self.dtype_name, self.batch_size = model_dir, m["dtype"], m["batch_size"]
         self.chat, self.mc_num, self.truncate = m["chat"], m["mc_num"], m["truncate"]
+        self.mc_num_given = args.get("mc_num") is not None
         self.tok = Tokenizer(model_dir)
         if self.chat and not self.tok.chat_template:
             raise CheckpointError(f"chat=true needs a chat_template in {model_dir}/tokenizer_config.json, "
@@ -521,9 +526,39 @@ class PsdLM(LM):
         self._count(req.task_name, kind, requests=1, calls=forwards + calls, seconds=time.perf_counter() - t0)
         return ll, is_greedy
 
+    def _warn_default_mc_num(self, kind: str, requests, first: tuple[list[int], list[int]]) -> None:
+        """Before the first request, when mc_num was not given: what the default costs on this
+        device, from one forward timed at the first request's shape (LLaDA's 128 samples per request
+        take minutes per request on a CPU, and the harness shows nothing until a request ends)."""
+        if self.mc_num_given or not requests:
+            return
+        prefix, target = first
+        prefix = prefix or [self.mc.eos_token_id]
+        rows = min(self.batch_size, self.mc_num)
+        forwards = math.ceil(self.mc_num / rows)
+        greedy = len(target) if kind == "loglikelihood" else 0          # the is_greedy check: one call per token
+        cost = ""
+        room = self.max_length - len(target)
+        if target and room >= 1:
+            x = torch.tensor(prefix[-room:] + target, dtype=torch.long).repeat(rows, 1).to(self._device)
+            t0 = time.perf_counter()
+            self._target_logp(x, min(len(prefix), room))
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            one = time.perf_counter() - t0
+            each = one * (forwards + greedy)
+            cost = (f"; one such forward took {one * 1e3:.0f} ms here, so about {_duration(each)} per request, "
+                    f"{_duration(each * len(requests))} for these {len(requests)}")
+        log.warning("%s: mc_num is %d by default (LLaDA's setting): each request takes %d forwards of %d row%s%s%s; "
+                    "pass mc_num=N in --model_args for a faster, noisier estimate (batch_size=B: more rows per "
+                    "forward)", kind, self.mc_num, forwards, rows, "s" if rows > 1 else "",
+                    f" plus up to {greedy} greedy calls" if greedy else "", cost)
+
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         from tqdm import tqdm
 
+        if requests:
+            self._warn_default_mc_num("loglikelihood", requests, self._encode_pair(*requests[0].args[:2]))
         out = []
         for req in tqdm(requests, disable=disable_tqdm, desc="psd loglikelihood"):
             context, continuation = req.args[:2]
@@ -535,6 +570,8 @@ class PsdLM(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from tqdm import tqdm
 
+        if requests:
+            self._warn_default_mc_num("loglikelihood_rolling", requests, ([], self.tok.encode(requests[0].args[0])))
         out = []
         for req in tqdm(requests, disable=disable_tqdm, desc="psd loglikelihood_rolling"):
             (text,) = req.args[:1]
@@ -542,6 +579,10 @@ class PsdLM(LM):
             out.append(ll)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), ll)
         return out
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 # ---------------------------------------------------------------------- offline tasks

@@ -33,10 +33,14 @@ DTYPE_CHOICES = [d for d in DTYPES if d != "float16"]      # the kernels' parity
 
 
 class Parser(argparse.ArgumentParser):
-    """One-line errors; no abbreviated flags (`--prompt` must not silently mean `--prompt-file`)."""
+    """One-line errors; no abbreviated flags (`--prompt` must not silently mean `--prompt-file`); run
+    as a console script (psd-generate, psd-eval, psd-serve: setup.py), the usage names that script."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+        if script.startswith("psd-"):      # not the `python -m ...` a front end names as its prog
+            kwargs["prog"] = script
         super().__init__(*args, **kwargs)
 
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)

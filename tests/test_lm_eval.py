@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -307,6 +308,33 @@ def test_loglikelihood_through_lm_eval(tasks_dir):
     assert stats["requests"] == 4 and stats["calls"] > 4
 
 
+def test_default_mc_num_warns_what_it_costs_before_the_first_request(caplog, monkeypatch):
+    """LLaDA's 128 samples are minutes per request on a CPU: left at the default, one line says so
+    (forwards per request, one forward timed here, the estimate) before anything is scored; a
+    given mc_num runs without it."""
+    from lm_eval.api.instance import Instance
+
+    reqs = [Instance("loglikelihood", {}, (CTX, c), i, ("t", 0, 1)) for i, c in enumerate((" 20", " 21"))]
+    rolling = [Instance("loglikelihood_rolling", {}, ("12 + 3 = 15.",), 0, ("t", 0, 1))]
+    for mc_num, kind, batch in ((None, "loglikelihood", reqs), (None, "loglikelihood_rolling", rolling),
+                                (128, "loglikelihood", reqs)):
+        lm = PsdLM(batch_size=4) if mc_num is None else PsdLM(batch_size=4, mc_num=mc_num)
+        seen = []
+        monkeypatch.setattr(lm, "_score", lambda *a, **k: (seen.append(list(caplog.messages)), (-1.0, False))[1])
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="bench.lm_eval"):
+            getattr(lm, kind)(batch, True)
+        warned = [m for m in seen[0] if "mc_num" in m]           # as the first request was scored
+        if mc_num is not None:
+            assert not warned
+            continue
+        (line,) = warned
+        assert line.startswith(f"{kind}: mc_num is 128 by default")
+        assert "each request takes 32 forwards of 4 rows" in line
+        assert re.search(r"one such forward took \d+ ms here, so about \d+ (s|min) per request, \d+ (s|min) for "
+                         rf"these {len(batch)}; pass mc_num=N in --model_args", line), line
+
+
 def test_is_greedy_and_rolling():
     from lm_eval.api.instance import Instance
 
@@ -343,6 +371,26 @@ def test_cli_runs_lm_evals_own_entry(tasks_dir, tmp_path):
     stats = json.loads(results.read_text(encoding="utf-8"))["config"]["psd"]["stats"][TASK]["generate_until"]
     assert stats["requests"] == 2 and stats["tpf"] > 1
 
+
+
+def test_lm_evals_own_command_cannot_load_psd_as_the_docs_say(tasks_dir, tmp_path):
+    """`lm_eval --model psd` cannot work: lm-eval's command imports nothing of ours and reads no
+    plugin or entry point to find a model. docs/lm_eval.md quotes its error and says what to run."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "psd", "--tasks", TASK, "--include_path",
+                          str(tasks_dir), "--limit", "1"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    said = "Attempted to load model 'psd', but no model for this name found!"
+    assert res.returncode != 0 and said in res.stderr, res.stderr[-3000:]
+    import lm_eval
+
+    harness = Path(lm_eval.__file__).parent
+    for f in [harness / "__main__.py", harness / "evaluator.py", harness / "models" / "__init__.py",
+              *(harness / "api").glob("*.py"), *(harness / "_cli").glob("*.py")]:
+        assert "entry_points(" not in f.read_text(encoding="utf-8"), f"{f} may find plugins now: update the docs"
+    doc = " ".join((REPO / "docs" / "lm_eval.md").read_text(encoding="utf-8").split())
+    assert f"`ValueError: {said}`" in doc
+    assert "`lm_eval --model psd --tasks T ...` becomes `python -m bench.lm_eval --model psd --tasks T ...`" in doc
 
 
 def test_cli_bad_model_args_exit_2(tasks_dir, monkeypatch, capsys):

@@ -1,8 +1,11 @@
 """Packaging (docs/packaging.md): the wheel carries the shipped model, the benchmark data and the
 offline lm-eval tasks, and declares the console scripts; installed (not editable) into a fresh
 virtual environment, `psd-generate` runs from a directory outside the checkout on the packaged
-model, and `psd-eval` / `psd-serve` start. Also: the `--model` hint for a hub id, and the Python
-text helper (`engine.load` / `engine.generate_text`) from another working directory.
+model, the console scripts' usage lines name them, `psd-eval` and the bench commands write their
+outputs under the current directory (never into the venv), and a missing extra (psd-serve's
+fastapi/uvicorn, bench.lm_eval's lm-eval) is one line naming the wheel user's install. Also: the
+`--model` hint for a hub id, and the Python text helper (`engine.load` / `engine.generate_text`)
+from another working directory.
 
 The wheel is built from a copy of the working tree (never in the checkout: no build/ or
 egg-info there), without build isolation, and installed with --no-deps into a venv that sees
@@ -111,13 +114,51 @@ def test_installed_psd_generate_runs_from_anywhere(venv, tmp_path):
     assert out["tokens"] >= 1 and out["calls"] >= 1 and isinstance(out["text"], str) and out["text"].strip()
     assert "Traceback" not in res.stderr
 
-    for script in ("psd-eval", "psd-serve"):
-        res = _run([str(bin_dir / script), "--help"], cwd=tmp_path)
-        assert res.returncode == 0, (script, res.stderr[-3000:])
-        assert "--model" in res.stdout
-
     res = _run([str(bin_dir / "psd-generate"), PROMPT, "--model", HUB_ID], cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.count("error:") == 1 and "hub id" in res.stderr
+
+
+def test_console_scripts_name_themselves_in_their_usage(venv, tmp_path):
+    for script in SCRIPTS:
+        res = _run([str(venv / "bin" / script), "--help"], cwd=tmp_path)
+        assert res.returncode == 0, (script, res.stderr[-3000:])
+        assert res.stdout.startswith(f"usage: {script} ") and "--model" in res.stdout, res.stdout[:300]
+        assert "python -m" not in res.stdout.split("\n\n", 1)[0]          # the usage paragraph
+
+
+def test_outputs_land_in_the_current_directory(venv, tmp_path):
+    """psd-eval's default run directory and the microbenchmarks' CSVs: under the directory the
+    command runs in, not in the installed package (site-packages/runs/ before)."""
+    res = _run([str(venv / "bin" / "psd-eval"), "--task", "math", "--limit", "1", "--methods", "greedy",
+                "--gen-length", "8", "--block-length", "8", "--quiet"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (results,) = tmp_path.glob("runs/eval-math-*/results.jsonl")
+    assert Path(json.loads(res.stdout.strip().splitlines()[-1])["results_file"]).resolve() == results.resolve()
+    assert len(results.read_text().splitlines()) == 1
+    res = _run([str(venv / "bin" / "python"), "-m", "bench.bench_draft", "--rows", "1", "--nodes", "8", "--op",
+                "rank_positions"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert list(tmp_path.glob("runs/bench/bench_draft_*.csv"))
+    assert not list(venv.rglob("runs")), "an output was written inside the installed package"
+
+
+def _missing(tmp_path, *names) -> Path:
+    """A directory that, first on PYTHONPATH, makes the packages `names` missing, as without their extra."""
+    for name in names:
+        (tmp_path / "missing" / name).mkdir(parents=True)
+        (tmp_path / "missing" / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n")
+    return tmp_path / "missing"
+
+
+@pytest.mark.parametrize("command, extra", [(["psd-serve"], "serve"), (["python", "-m", "bench.lm_eval", "--help"],
+                                                                        "lm_eval")])
+def test_a_missing_extra_is_one_line_naming_the_wheel_install(command, extra, venv, tmp_path):
+    env = _clean_env(PYTHONPATH=str(_missing(tmp_path, "fastapi", "uvicorn", "lm_eval")))
+    res = _run([str(venv / "bin" / command[0]), *command[1:]], cwd=tmp_path, env=env)
+    assert res.returncode == 2, res.stderr[-3000:]
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("error: ") and f"pip install 'psd-engine[{extra}]'" in line, line
 
 
 # ---------------------------------------------------------------------- --model that looks like a hub id

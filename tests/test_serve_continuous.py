@@ -68,6 +68,15 @@ def test_a_late_short_request_is_answered_before_an_earlier_long_one(servers):
     assert answers["short"].usage.queue_seconds < answers["long"].usage.decode_seconds / 2
 
 
+def test_an_answer_without_text_reports_its_batch(servers):
+    """usage.batch_size counts the rows a request was decoded in, also when its answer is stop
+    tokens only and no text piece was ever streamed (it read 0 there)."""
+    r = servers["continuous"].client().completions.create(model=NAME, prompt="Hello", max_tokens=8,
+                                                           extra_body={"method": "greedy"})
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 1       # the premise: one stop token
+    assert r.usage.batch_size == 1
+
+
 def test_static_batching_makes_the_short_request_wait(servers):
     order, answers = _race(servers["static"])
     assert order == ["long", "short"]
