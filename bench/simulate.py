@@ -89,10 +89,24 @@ CARDS: dict[str, Card] = {
 }
 
 
+# a family's name alone is its flagship: the SXM H100 (HGX/DGX, the one papers report) and the 80 GB A100
+ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "a100": "a100-80g", "a100-80gb": "a100-80g",
+           "a100-40gb": "a100-40g", "h200-sxm": "h200"}
+
+
+def card_key(name: str) -> str:
+    """The CARDS key of a card as people write it: any case, spaces or underscores for dashes, with
+    or without NVIDIA's prefix, or an alias (H100 -> h100-sxm)."""
+    key = "-".join(name.lower().replace("_", " ").split()).removeprefix("nvidia-")
+    key = ALIASES.get(key, key)
+    if key not in CARDS:
+        raise InputError(f"unknown card {name!r} for --simulate; expected one of {', '.join(CARDS)} "
+                         f"(or {', '.join(ALIASES)}; any case)")
+    return key
+
+
 def card(name: str) -> Card:
-    if name not in CARDS:
-        raise InputError(f"unknown card {name!r} for --simulate; expected one of {', '.join(CARDS)}")
-    return CARDS[name]
+    return CARDS[card_key(name)]
 
 
 @dataclass(frozen=True)
@@ -282,9 +296,7 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     from engine.frontend import DEFAULT_MODEL_DIR
     from engine.config import check_prompts
 
-    cards = list(dict.fromkeys(args.simulate))
-    for name in cards:
-        card(name)
+    cards = list(dict.fromkeys(card_key(name) for name in args.simulate))
     if args.cost_curve:
         raise InputError("--simulate projects from a roofline or --cost-profile; it does not combine with --cost-curve")
     if args.overhead_ms is not None and (not math.isfinite(args.overhead_ms) or args.overhead_ms < 0):

@@ -107,8 +107,16 @@ def test_simulate_command_is_labelled_a_projection(capsys, tmp_path):
     assert by["h100-sxm", pol] > by["a100-80g", pol]                # more bandwidth, more tokens/s
 
 
+def test_card_names_as_people_write_them(capsys):
+    assert [sim.card_key(n) for n in ("H100", "NVIDIA H100 SXM5", "h100_pcie", "A100", "a100-40GB", "H200")] == \
+        ["h100-sxm", "h100-sxm", "h100-pcie", "a100-80g", "a100-40g", "h200"]
+    assert sim.card("H100") is H100
+    rc, out, err = _speed(["--simulate", "H100", "--cost-curve"], capsys)     # accepted: the next check speaks
+    assert rc == 2 and "does not combine with --cost-curve" in err
+
+
 @pytest.mark.parametrize("argv,says", [
-    (["--simulate", "h100"], "unknown card 'h100'"),
+    (["--simulate", "h101"], "unknown card 'h101'"),
     (["--simulate", "h100-sxm", "--cost-curve"], "does not combine with --cost-curve"),
     (["--simulate", "h100-sxm", "--call-overhead-ms", "-1"], "--call-overhead-ms must be"),
     (["--cost-profile", "x.json"], "applies to --simulate only"),
