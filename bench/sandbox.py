@@ -49,6 +49,11 @@ Isolation, verdicts and the threat model are documented in docs/tasks.md
   the program's code returned; the driver also requires exit status 0 and
   the timer.
 
+The fallback (only on request) keeps the per-program processes, the uid, the
+record, the limits and the clean-up; where the kernel has Landlock, the
+program's process confines its files, TCP and signals before the program
+starts; it has no namespaces.
+
 Statuses: ``passed`` (ran to its end), ``failed`` (an ordinary exception),
 ``timeout`` (wall clock or CPU seconds), ``crashed`` (MemoryError, SystemExit,
 ``os._exit``/exec before the end, a fatal signal, the file-size limit, a
@@ -125,6 +130,7 @@ MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 MNT_DETACH = 2
 _CALLER = int(sys.argv[1])
 _KEYCTL, _PIVOT_ROOT = {"x86_64": (250, 155), "aarch64": (219, 41)}.get(os.uname().machine, (None, None))
+_LANDLOCK_CREATE_RULESET = 444  # then add_rule 445, restrict_self 446: one numbering on every architecture
 
 
 def _check(ret, what):
@@ -395,6 +401,23 @@ def _setup_namespaces():
                 (("mnt", CLONE_NEWNS), ("ipc", CLONE_NEWIPC), ("net", CLONE_NEWNET), ("pid", CLONE_NEWPID))]
 
 
+def _landlock_abi():
+    """The kernel's Landlock ABI version (0: none), which confines the fallback."""
+    return max(0, _libc.syscall(_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+
+
+def _fallback_confinement():
+    """What a fallback program may read (and execute): the system's directories,
+    the interpreter's (or the caller's readable copy of it) and /proc; the
+    device nodes it may use; the rest of the job's Landlock rules are its work
+    dir and /dev/shm (every access)."""
+    read = [d for d in _SYSTEM if os.path.isdir(d)] + _python_trees() + ["/proc"]
+    if _job["fallback_libs"]:
+        read.append(os.path.dirname(_job["fallback_libs"]))
+    return {"abi": _LANDLOCK, "read": read,
+            "dev": ["/dev/" + name for name in ("null", "zero", "full", "random", "urandom")]}
+
+
 def _loopback_up():
     """Bring up the new network namespace's loopback interface (programs may
     use 127.0.0.1 among themselves; nothing else exists)."""
@@ -451,7 +474,9 @@ def _runner(code, nonce, uid, workdir, rec_w, err_w, namespaces):
             # Without a PID namespace the parent-death signal (cleared by the uid change) is set
             # again; a process that stays dumpable is made non-dumpable.
             "prctl": not namespaces or uid is None or _SUID_DUMPABLE == 1,
-            "parent": None if namespaces else os.getppid()}).encode("utf-8"))
+            "parent": None if namespaces else os.getppid(),
+            "landlock": None if namespaces or not _LANDLOCK else
+                        dict(_CONFINE, write=[workdir, "/dev/shm"])}).encode("utf-8"))
         for fd in (record, cfg):
             os.lseek(fd, 0, os.SEEK_SET)
         hi = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (rec_w, err_w, _devnull, record, cfg)]
@@ -775,15 +800,24 @@ else:
         _HOME_NS = []
         _write_all(_OUT, (json.dumps({"isolation": "none", "why": _why, "own_uid": False}) + "\n").encode())
         os._exit(3)
+_LANDLOCK = _landlock_abi() if _level == "fallback" else 0
 if _level == "fallback":
     _why += "; programs run as %s" % ("a uid of their own" if _ROOT else "the caller's uid %d" % os.getuid())
+    if _LANDLOCK:
+        _CONFINE = _fallback_confinement()
+        _why += "; Landlock (ABI %d) confines their files to the system's, the interpreter's and their own%s" % (
+            _LANDLOCK, "" if _LANDLOCK < 4 else ", denies TCP" if _LANDLOCK < 6 else
+            ", denies TCP, signals and abstract sockets outside them")
+    else:
+        _why += "; no filesystem or network isolation (no Landlock)"
     if _job["self_test"]:  # never as root, and the interpreter works for them
         s, e = _one(_SELF_TEST, False)
         if s != "passed":
             _write_all(_OUT, (json.dumps({"isolation": "none", "why": "self-test program: %s %s" % (s, e),
                                           "own_uid": False}) + "\n").encode())
             os._exit(3)
-_write_all(_OUT, (json.dumps({"isolation": _level, "why": _why, "own_uid": _ROOT}) + "\n").encode())
+_write_all(_OUT, (json.dumps({"isolation": _level, "why": _why, "own_uid": _ROOT, "landlock": _LANDLOCK})
+                  + "\n").encode())
 for _i, _code in enumerate(_job["programs"]):
     _s, _e = _one(_code, _level == "namespaces")
     _write_all(_OUT, (json.dumps({"i": _i, "s": _s, "e": _e}) + "\n").encode())
@@ -827,7 +861,8 @@ def _main():
         posix.setresuid(uid, uid, uid)
     if job["prctl"]:
         import ctypes
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
         if prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: /proc/self/mem and fds are root's
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
         if job["parent"] is not None:  # PR_SET_PDEATHSIG SIGKILL, which the uid change cleared
@@ -835,6 +870,8 @@ def _main():
                 raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
             if posix.getppid() != job["parent"]:
                 exit_(1)
+        if job["landlock"] is not None:
+            _confine(job["landlock"], libc.syscall, ctypes)
     with open("/proc/self/status") as f:
         caps = [l.split()[1] for l in f if l.startswith(("CapEff", "CapPrm", "CapAmb"))]
     if any(int(c, 16) for c in caps) or 0 in posix.getresuid() or (
@@ -878,12 +915,39 @@ def _main():
     exit_(0)
 
 
+def _confine(rules, syscall, ctypes):
+    # The fallback's Landlock domain (no_new_privs is set): files only where rules allow them, no
+    # TCP bind or connect (ABI >= 4), no signals or abstract UNIX sockets outside it (ABI >= 6).
+    import posix, struct
+    abi = rules["abi"]
+    fs = (1 << 13) - 1 | (abi >= 2) << 13 | (abi >= 3) << 14 | (abi >= 5) << 15  # every handled access
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    attr = struct.pack("=QQQ", fs, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)[:size]
+    ruleset = syscall(444, ctypes.c_char_p(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    read, dev = 1 | 4 | 8, (2 | 4 | (abi >= 3) << 14 | (abi >= 5) << 15)  # execute, read file/dir; read, write
+    for paths, access in ((rules["read"], read), (rules["dev"], dev), (rules["write"], fs)):
+        for path in paths:
+            try:
+                fd = posix.open(path, posix.O_PATH | posix.O_CLOEXEC)
+            except OSError:
+                continue
+            rule = struct.pack("=Qi", access & fs, fd)  # struct landlock_path_beneath_attr (packed)
+            if syscall(445, ruleset, 1, ctypes.c_char_p(rule), 0) != 0:
+                raise OSError(ctypes.get_errno(), "landlock_add_rule %s" % path)
+            posix.close(fd)
+    if syscall(446, ruleset, 0) != 0:
+        raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+    posix.close(ruleset)
+
+
 _main()
 """
 
 
 # ---------------------------------------------------------------- caller side
-_levels: dict[str, tuple[str, str, bool]] = {}
+_levels: dict[str, tuple[str, str, bool, int]] = {}
 _warned = False
 _fallback_python: tuple[str, str] | None = None
 _fallback_lock = threading.Lock()
@@ -897,15 +961,16 @@ def _mode(isolation: str | None) -> str:
     return "namespaces" if mode == "auto" else mode
 
 
-def _note_level(mode: str, level: str, why: str, own_uid: bool) -> None:
+def _note_level(mode: str, level: str, why: str, own_uid: bool, landlock: int) -> None:
     global _warned
-    _levels[mode] = (level, why, own_uid)
+    _levels[mode] = (level, why, own_uid, landlock)
     if level == "fallback" and not _warned:
         _warned = True
         warnings.warn(
             "bench.sandbox: Linux namespaces are unavailable (" + why + "); generated code runs with "
-            "reduced isolation: rlimits, per-program processes, a uid other than root and descendant clean-up only, "
-            "no network or filesystem isolation (see docs/tasks.md, Sandbox)",
+            "reduced isolation: rlimits, per-program processes, a uid other than root and descendant clean-up, "
+            + ("Landlock's file and network rules" if landlock else "no network or filesystem isolation")
+            + " (see docs/tasks.md, Sandbox)",
             RuntimeWarning, stacklevel=4)
 
 
@@ -1097,7 +1162,7 @@ def _driver_results(programs: Sequence[str], timeout_s: float, memory_mb: int,
                 raise SandboxUnavailable(f"the sandbox's driver is unavailable here (it did not start: {why})")
             harness = SandboxResult(False, "crashed", f"sandbox error: the driver did not start: {why}")
             return [harness] * len(programs)
-        _note_level(mode, level, why, bool(hello["own_uid"]))
+        _note_level(mode, level, why, bool(hello["own_uid"]), int(hello.get("landlock", 0)))
         k = start
         while k < len(programs) and (k - start) in results:
             status, err = results[k - start]
@@ -1113,17 +1178,19 @@ def _driver_results(programs: Sequence[str], timeout_s: float, memory_mb: int,
 
 
 def isolation_details(isolation: str | None = None) -> dict:
-    """``{"level", "why", "own_uid"}`` for ``isolation`` (probed once per
-    mode; the mode is the argument, else ``$PSD_SANDBOX``, else ``"auto"``):
-    ``why`` says why the level is ``"fallback"``, ``own_uid`` whether programs
-    run under a fresh uid of their own (for a root caller, at every level; a
-    caller that is not root runs fallback programs as itself).  Raises
-    :class:`SandboxUnavailable` where the level cannot run programs."""
+    """``{"level", "why", "own_uid", "landlock"}`` for ``isolation`` (probed
+    once per mode; the mode is the argument, else ``$PSD_SANDBOX``, else
+    ``"auto"``): ``why`` says why the level is ``"fallback"`` and what confines
+    it, ``own_uid`` whether programs run under a fresh uid of their own (for a
+    root caller, at every level; a caller that is not root runs fallback
+    programs as itself), ``landlock`` the Landlock ABI that confines fallback
+    programs (0: none, and always 0 at "namespaces", which needs none).
+    Raises :class:`SandboxUnavailable` where the level cannot run programs."""
     mode = _mode(isolation)
     if mode not in _levels:
         _driver_results([], 1.0, 64, mode)
-    level, why, own_uid = _levels[mode]
-    return {"level": level, "why": why, "own_uid": own_uid}
+    level, why, own_uid, landlock = _levels[mode]
+    return {"level": level, "why": why, "own_uid": own_uid, "landlock": landlock}
 
 
 def isolation(isolation: str | None = None) -> str:
