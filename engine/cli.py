@@ -4,7 +4,8 @@ Bad input (a missing model directory, a bad argument, an empty prompt, ...) gets
 stderr starting with `error:` and exit status 2, never a traceback.
 
 Under `torchrun --nproc-per-node N -m engine.generate ...` the model is split over the N ranks
-(tensor parallel, docs/distributed.md): rank 0 reads the prompt and prints, every rank decodes.
+(tensor parallel, docs/distributed.md): rank 0 reads the prompt, decodes and prints; the other
+ranks run the model calls it sends them.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
         raise InputError("the prompt is not valid UTF-8") from None
     if args.chat:
         text = tok.apply_chat_template(text)
-    from .loop import Decoder, check_prompts
+    from .loop import check_prompts
 
     check_prompts(mc, dc, [tok.encode(text)])
     device = resolve_device(args.device) if tp is None else tp.device
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     from models import load_model
 
     model = load_model(model_dir, dtype=args.dtype, device=device, tp=tp)
-    decoder = Decoder(model, dc)
+    decoder = distributed.decoder(model, dc)            # under torchrun: rank 0 decodes, the others follow
     if on_text is None:
         res = decoder.generate([tok.encode(text)])[0]
     else:
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from models.parallel import launched
 
-    if launched():                               # torchrun: every rank decodes, rank 0 prints
+    if launched():                               # torchrun: every rank runs the command, rank 0 prints
         from .distributed import leader_prints
 
         with leader_prints():

@@ -9,13 +9,20 @@ the same checkpoint decoded by one process:
     attention), with and without a KV cache; dropping the all-reduce breaks the equality (so the
     comparison can fail);
   * tokens equal in float64 for every method of the table, caches none and dual (prefix for three),
-    sampling with a temperature, and --draft-budget auto (times differ between ranks);
-  * rank 0 leading and the other ranks following (engine.serve's pattern), a stream closed early;
+    sampling with a temperature, --draft-budget auto (times differ between ranks) and
+    --cross-block, with rank 0 alone running the loop and rank 1 only the model calls it sends
+    (as many as rank 0 made; every cache dropped when rank 0's is);
+  * engine.serve's pattern on rank 0 (streams, a stream closed early, continuous batching with a
+    sequence joining a running batch, a bad request, a --cuda-graphs wrapper's stand-in) while
+    rank 1 follows;
   * each rank loads only its slice; sizes that do not divide give one error line;
-  * `torchrun --nproc-per-node 2 -m engine.generate` prints what the single process prints.
+  * `torchrun --nproc-per-node 2 -m engine.generate` prints what the single process prints, and
+    `torchrun -m engine.serve` batches two overlapping requests continuously, each answered as
+    one process answers it, then stops.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -130,10 +137,13 @@ def _single_thread():
 
 
 def _decode_all(model, methods, caches, extra=()):
-    """{(method, cache, options): token ids per prompt, or the error's text} for every combination."""
-    from engine.errors import InputError
-    from engine.loop import Decoder
+    """{(method, cache, options): token ids per prompt, or the error's text} for every combination
+    (on rank 0 of a group, its decoders send their model calls to the other ranks)."""
     from engine.config import DecodeConfig
+    from engine.distributed import decoder_class
+    from engine.errors import InputError
+
+    Decoder = decoder_class()
 
     out = {}
     combos = [(m, c, ()) for m in methods for c in caches] + list(extra)
@@ -150,7 +160,8 @@ def _decode_all(model, methods, caches, extra=()):
 EXTRA = [("greedy", "prefix", ()), ("psd", "prefix", ()), ("ete", "prefix", ()),
          ("confidence", "none", (("temperature", 0.7), ("seed", 11))),
          ("psd", "dual", (("draft_budget", "auto"), ("acceptance", "exact"))),
-         ("spiffy", "none", (("draft_budget", "auto"), ("depth", 3)))]
+         ("spiffy", "none", (("draft_budget", "auto"), ("depth", 3))),
+         ("psd", "none", (("cross_block", True),))]
 
 
 # ---------------------------------------------------------------------- one rank (this file as a script)
@@ -174,7 +185,7 @@ def _rank_main(job_file: str) -> None:
     elif job["kind"] == "tokens":
         for name, path in job["ckpts"].items():
             model = load_model(path, dtype="float64", tp=tp)
-            out[name] = _decode_all(model, job["methods"], CACHES, EXTRA)
+            out[name] = _lead_or_follow(tp, model, lambda: _decode_all(model, job["methods"], CACHES, EXTRA))
     elif job["kind"] == "follow":
         out = _follow_job(job, tp)
     Path(f"{job_file}.{tp.rank}").write_bytes(pickle.dumps(out))
@@ -186,29 +197,66 @@ class _NoReduce(TensorParallel):
         return t
 
 
-def _follow_job(job, tp):
-    """engine.serve's pattern: rank 0 alone decides what to decode, the others follow."""
+def _lead_or_follow(tp, model, work):
+    """Rank 0 runs `work()` (its decoders send their calls), then ends the followers; every other
+    rank runs the calls it is sent. Rank 0's result with the calls it sent; the others' calls
+    run, and the caches and decoders they still held at the end (rank 0 dropped them all)."""
+    import gc
+
+    from engine import distributed
+
+    if tp.rank != 0:
+        ran = collections.Counter()
+        distributed.follow(model, ran)
+        return dict(ran)
+    out = work()
+    gc.collect()                              # decoders in reference cycles go: their ids ride on "exit"
+    sent = dict(distributed._channel(tp).sent)
+    distributed.stop_followers()
+    distributed._channel(tp).sent.clear()
+    return {"out": out, "sent": sent}
+
+
+# prompts of a continuous batch: (prompt index, gen length, the step before which it joins)
+LIVE_PROMPTS = [[5, 9, 14, 3, 22, 7], [11, 2, 40], [8, 30, 6, 12]]
+LIVE = [(0, 12, 0), (1, 8, 2), (2, 4, 5)]
+
+
+def _serve_pattern(model, make):
+    """engine.serve's work on rank 0, decoders from `make(model, config)`: a stream, a stream closed
+    early, continuous batching (sequences joining a running batch), a bad request, more after it,
+    and a --cuda-graphs wrapper (its CPU stand-in, engine.graphs.EagerBackend) inside rank 0's."""
     from engine import distributed
     from engine.config import DecodeConfig
+    from engine.graphs import EagerBackend, GraphedCall
+    from support import run_live
 
-    model = load_model(job["ckpt"], dtype="float64", tp=tp)
-    if tp.rank != 0:
-        return {"followed": distributed.follow(model)}
-    dec_cls = distributed.decoder_class()
     out = {}
-    dec = dec_cls(model, DecodeConfig(method="psd", cache="dual", **GEN))
-    out["stream"] = [u.pieces for u in dec.stream(PROMPTS)]
-    steps = dec_cls(model, DecodeConfig(method="confidence", **GEN)).stream(PROMPTS)
+    out["stream"] = [u.pieces for u in make(model, DecodeConfig(method="psd", cache="dual", **GEN)).stream(PROMPTS)]
+    steps = make(model, DecodeConfig(method="confidence", **GEN)).stream(PROMPTS)
     out["early"] = [next(steps).pieces, next(steps).pieces]
-    steps.close()                                 # a client went away: every rank stops this stream
-    out["generate"] = [r.token_ids for r in dec_cls(model, DecodeConfig(method="spiffy", **GEN)).generate(PROMPTS)]
-    try:                                          # a bad request: refused on every rank, none hangs
-        dec_cls(model, DecodeConfig(method="greedy", **GEN)).generate([[]])
+    steps.close()                                 # a client went away: nothing to tell the followers
+    live = run_live(make(model, DecodeConfig(method="psd", cache="dual", **GEN)), LIVE_PROMPTS, LIVE)
+    out["live"] = ({i: r.token_ids for i, r in live.done.items()}, live.rows)
+    try:                                          # a bad request: refused on rank 0 before any call
+        make(model, DecodeConfig(method="greedy", **GEN)).generate([[]])
     except Exception as e:                        # noqa: BLE001
         out["bad"] = type(e).__name__
-    out["after"] = [r.token_ids for r in dec_cls(model, DecodeConfig(method="topk", **GEN)).generate(PROMPTS)]
-    distributed.release()
+    out["after"] = [r.token_ids for r in make(model, DecodeConfig(method="topk", **GEN)).generate(PROMPTS)]
+    dec = make(model, DecodeConfig(method="psd", cache="dual", static_rows=True, **GEN))
+    inner = dec.cache_mode.mode if isinstance(dec.cache_mode, distributed.Announced) else dec.cache_mode
+    graphed = GraphedCall(inner, EagerBackend(), max_graphs=2)
+    dec.cache_mode = graphed
+    distributed.lead(dec)                         # wrapped outside the graphs, as engine.graphs' docs say
+    out["graphed"] = ([r.token_ids for r in dec.generate(PROMPTS)], graphed.stats["captures"])
     return out
+
+
+def _follow_job(job, tp):
+    from engine import distributed
+
+    model = load_model(job["ckpt"], dtype="float64", tp=tp)
+    return _lead_or_follow(tp, model, lambda: _serve_pattern(model, distributed.decoder_class()))
 
 
 # ---------------------------------------------------------------------- (a) logits, (c) shapes
@@ -248,15 +296,18 @@ def test_split_model_decodes_the_same_tokens_for_every_method(ckpts, tmp_path):
     decoded = 0
     for name, path in use.items():
         ref = _decode_all(load_model(path, dtype="float64"), methods, CACHES, EXTRA)
+        lead, follower = ranks[0][name], ranks[1][name]
         for key, want in ref.items():
-            timed = ("draft_budget", "auto") in key[2]
-            for rank, res in enumerate(ranks):
-                got, expect = res[name][key], want
-                if timed:          # measured times choose the drafts: calls vary run to run, never tokens
-                    assert got == ranks[0][name][key], "the ranks verified different drafts"
-                    got, expect = [t for t, _ in got], [t for t, _ in want]
-                assert got == expect, (name, key, rank)
+            got = lead["out"][key]
+            if ("draft_budget", "auto") in key[2]:   # measured times choose the drafts: calls vary, never tokens
+                got, want = [t for t, _ in got], [t for t, _ in want]
+            assert got == want, (name, key)
             decoded += not isinstance(want, str)
+        # rank 1 ran exactly rank 0's model calls (probe calls of --draft-budget auto included), and
+        # holds no cache or cache mode after rank 0 dropped its own
+        assert follower["held"] == 0, (name, follower)
+        assert {k: follower[k] for k in ("start", "call")} == lead["sent"], (name, follower, lead["sent"])
+        assert lead["sent"]["call"] > lead["sent"]["start"] > 0
         for method in methods:                 # every method decoded under caches none and dual
             for cache in ("none", "dual"):
                 runs = [v for (m, c, _), v in ref.items() if m == method and c == cache]
@@ -265,20 +316,19 @@ def test_split_model_decodes_the_same_tokens_for_every_method(ckpts, tmp_path):
 
 
 def test_rank0_leads_and_the_others_follow(ckpts, tmp_path):
-    from engine.config import DecodeConfig
+    """engine.serve's work on rank 0 (streams, continuous batching, a bad request, a graphed
+    cache mode) equals one process, and rank 1 ran rank 0's calls only."""
     from engine.loop import Decoder
 
-    path = ckpts["pangu_obias"]
+    path = ckpts["llada"]
     ranks = _launch({"kind": "follow", "ckpt": path}, tmp_path)
-    lead = ranks[0]
-    whole = load_model(path, dtype="float64")
-    assert lead["stream"] == [u.pieces for u in Decoder(whole, DecodeConfig(method="psd", cache="dual", **GEN)).stream(PROMPTS)]
-    steps = Decoder(whole, DecodeConfig(method="confidence", **GEN)).stream(PROMPTS)
-    assert lead["early"] == [next(steps).pieces, next(steps).pieces]
-    assert lead["generate"] == [r.token_ids for r in Decoder(whole, DecodeConfig(method="spiffy", **GEN)).generate(PROMPTS)]
-    assert lead["bad"] == "InputError"
-    assert lead["after"] == [r.token_ids for r in Decoder(whole, DecodeConfig(method="topk", **GEN)).generate(PROMPTS)]
-    assert ranks[1]["followed"] == 5
+    lead, follower = ranks[0], ranks[1]
+    one = _serve_pattern(load_model(path, dtype="float64"), Decoder)
+    assert lead["out"] == one
+    assert lead["out"]["bad"] == "InputError" and max(one["live"][1]) == 3      # the batch held 3 sequences
+    assert one["graphed"][1] > 0                                                  # graphs were captured
+    assert follower.pop("held") == 0 and follower.pop("built GraphedCall") == 1, follower
+    assert {k: follower[k] for k in ("start", "call")} == lead["sent"], (follower, lead["sent"])
 
 
 # ---------------------------------------------------------------------- (c) sharded loading, in one process
@@ -388,11 +438,15 @@ if __name__ == "__main__":
     _rank_main(sys.argv[1])
 
 
-def test_torchrun_serve_answers_what_one_process_decodes(ckpts, tmp_path):
-    """`torchrun -m engine.serve`: rank 0 serves HTTP, rank 1 follows its decodes; a completion
-    (streamed and not) equals engine.generate in one process, and the ranks stop together."""
+def test_torchrun_serve_batches_continuously_as_one_process_answers(ckpts, tmp_path):
+    """`torchrun -m engine.serve` (continuous batching, the default): rank 0 serves HTTP and runs
+    the loop, rank 1 runs its model calls. A short request sent while a long one decodes joins
+    its batch and is answered first; each answer (and a streamed one) equals engine.generate in
+    one process; the launch stops when told."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
+    import threading
+
     from engine import generate
     from models import Tokenizer, load_model
 
@@ -401,9 +455,19 @@ def test_torchrun_serve_answers_what_one_process_decodes(ckpts, tmp_path):
     launcher = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([*launcher, "--standalone", f"--nproc-per-node={WORLD}", "-m", "engine.serve", "--model",
-                             path, "--port", str(port), "--device", "cpu", "--dtype", "float64"],
+                             path, "--port", str(port), "--device", "cpu", "--dtype", "float64", "--ignore-eos"],
                             cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    base = {"model": Path(path).name, "method": "greedy", "block_length": 4}
+    asks = {"long": {**base, "prompt": "t5 t9 t14 t3", "max_tokens": 64},
+            "short": {**base, "prompt": "t7 t2", "max_tokens": 8},
+            "psd": {**base, "prompt": "t5 t9 t14 t3", "max_tokens": 8, "method": "psd"}}
+    answers, order = {}, []
+
+    def ask(name):
+        answers[name] = httpx.post(url + "/v1/completions", json=asks[name], timeout=TIMEOUT).json()
+        order.append(name)
+
     try:
         deadline = time.monotonic() + TIMEOUT
         while True:
@@ -414,18 +478,27 @@ def test_torchrun_serve_answers_what_one_process_decodes(ckpts, tmp_path):
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        body = {"model": Path(path).name, "prompt": "t5 t9 t14 t3", "max_tokens": 8, "method": "psd", "block_length": 4}
-        got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        long = threading.Thread(target=ask, args=("long",))
+        long.start()
+        while httpx.get(url + "/health", timeout=10).json()["running"] < 1:      # the long one decodes
+            assert time.monotonic() < deadline and long.is_alive(), "the long request never started"
+            time.sleep(0.01)
+        ask("short")
+        long.join(TIMEOUT)
+        ask("psd")
         streamed = []
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        with httpx.stream("POST", url + "/v1/completions", json={**asks["psd"], "stream": True}, timeout=TIMEOUT) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     streamed.append(json.loads(line[6:])["choices"][0]["text"])
     finally:
         proc.terminate()
-        proc.wait(60)
-    tok = Tokenizer(path)
-    res = generate(load_model(path, dtype="float64"), [tok.encode("t5 t9 t14 t3")], method="psd", gen_length=8,
-                   block_length=4)[0]
-    assert got == tok.decode(res.token_ids)
-    assert "".join(streamed) == got
+        proc.wait(60)                        # both ranks stop (a hang fails here)
+    assert order[:2] == ["short", "long"], (order, answers)
+    assert answers["short"]["usage"]["batch_size"] == 2, answers["short"]      # it joined the long one's batch
+    tok, model = Tokenizer(path), load_model(path, dtype="float64")
+    for name, body in asks.items():
+        res = generate(model, [tok.encode(body["prompt"])], method=body["method"], gen_length=body["max_tokens"],
+                       block_length=4, ignore_eos=True)[0]
+        assert answers[name]["choices"][0]["text"] == tok.decode(res.token_ids), name
+    assert "".join(streamed) == answers["psd"]["choices"][0]["text"]

@@ -150,7 +150,7 @@ def _main(args) -> int:
         raise InputError("--api-key must be a non-empty key without spaces")
     from .. import distributed
     tp = distributed.setup(args.device)         # under torchrun: tensor parallel, rank 0 serves
-    if tp is not None and tp.rank != 0:         # the other ranks follow its decodes, they bind nothing
+    if tp is not None and tp.rank != 0:         # the other ranks run its model calls, they bind nothing
         return distributed.serve_follower(Server(args).model_dir, args.dtype, args.device)
     sock = listen(args.host, args.port)
     if not args.api_key and not loopback(args.host):

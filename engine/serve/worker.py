@@ -118,11 +118,10 @@ class Scheduler:
 
     def run(self, model) -> None:
         from ..distributed import decoder_class
-        from models.parallel import current
 
-        if self.continuous and current() is None:     # under tensor parallel the ranks follow whole decodes
+        if self.continuous:
             return self._run_continuous(model)
-        Decoder = decoder_class()                      # rank 0 of a tensor-parallel group announces each decode
+        Decoder = decoder_class()                      # tensor parallel: rank 0 sends each model call to the others
 
         while True:
             batch = self._next_batch()
@@ -213,9 +212,10 @@ class Scheduler:
             turn.remove(key)
 
     def _admit(self, model, lives: dict, turn) -> None:
+        from ..distributed import decoder_class
         from ..live import LiveBatch
-        from ..loop import Decoder
 
+        Decoder = decoder_class()                        # tensor parallel: rank 0 sends each model call to the others
         rows = sum(lv.batch.running + len(lv.batch.waiting) for lv in lives.values())
         for job in list(self.waiting):
             if rows >= self.max_batch:                   # --max-batch bounds the rows of all running batches
