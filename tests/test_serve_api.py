@@ -136,7 +136,7 @@ def test_bad_n_and_prompt_lists(server):
     client = server.client()
     for kwargs, words in [({"n": 0}, "n must be >= 1"), ({"n": 1000}, "n must be <= 128"),
                           ({"prompt": ["a", 3]}, "prompt must be"), ({"prompt": ["ok", ""]}, "prompt 1"),
-                          ({"prompt": [PROMPTS[0]] * 200, "n": 2}, "--max-queue")]:
+                          ({"prompt": [PROMPTS[0]] * 200, "n": 2}, "--max-choices")]:
         with pytest.raises(openai.BadRequestError, match=re.escape(words)):
             client.completions.create(**{"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, **kwargs})
 

@@ -14,10 +14,12 @@ import threading
 from ..frontend import DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, guarded, plugins_loaded
 from ..errors import InputError
 from ..methods import METHODS
-from .routes import build_app
+from .routes import build_app, head_timeout_protocol
 from .server import Server
 
 MAX_BODY_BYTES = 4 << 20     # --max-body-bytes: a prompt at any model's length is far less; more is an attack
+MAX_CHOICES = 64             # --max-choices: a request's prompts times n (two --max-batch's worth at its default)
+READ_TIMEOUT = 30.0          # --read-timeout: seconds a client has to send a request's head, and then its body
 BIND_ERRORS = {errno.EADDRINUSE: "the port is already in use",
                errno.EACCES: "permission denied (a port below 1024 needs privileges)",
                errno.EADDRNOTAVAIL: "the address is not one of this machine's"}
@@ -58,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                                            "without one, or to replace its own")
     p.add_argument("--max-batch", type=int, default=32, help="most requests decoded together (1: one at a time)")
     p.add_argument("--max-queue", type=int, default=256, help="most requests waiting; more are answered 429")
+    p.add_argument("--max-choices", type=int, default=MAX_CHOICES,
+                   help="most choices (prompts times n) one request may ask for; more is a 400")
+    p.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
+                   help="seconds a client has to send a request's line and headers (from connecting or from its "
+                        "previous answer), and then as many for its body; else the connection is closed (408 for "
+                        "a body)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help=f"largest request body; a larger one is answered 413 without being read (default: "
                         f"{MAX_BODY_BYTES} = {MAX_BODY_BYTES >> 20} MiB)")
@@ -134,6 +142,10 @@ def _main(args) -> int:
         raise InputError("--max-batch and --max-queue must be >= 1")
     if args.max_body_bytes < 1:
         raise InputError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.max_choices < 1:
+        raise InputError(f"--max-choices must be >= 1, got {args.max_choices}")
+    if not 0 < args.read_timeout <= 3600:
+        raise InputError(f"--read-timeout must be in (0, 3600] seconds, got {args.read_timeout}")
     if not 0 <= args.batch_wait_ms <= 10_000:
         raise InputError("--batch-wait-ms must be in [0, 10000]")
     if args.threads is not None and args.threads < 1:
@@ -142,8 +154,7 @@ def _main(args) -> int:
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError:
-        raise InputError("the server needs fastapi and uvicorn: pip install 'psd-engine[serve]' (from a checkout: "
-                         "pip install -e '.[serve]')") from None
+        raise InputError("the server needs fastapi and uvicorn: pip install -e '.[serve]'") from None
     if args.api_key is None:
         args.api_key = os.environ.get("PSD_API_KEY") or None
     if args.api_key is not None and (not args.api_key.strip() or any(c.isspace() for c in args.api_key)):
@@ -161,8 +172,10 @@ def _main(args) -> int:
     except BaseException:
         sock.close()
         raise
+    # the access log is the app's own (routes.RequestId: each line with its X-Request-Id)
     http = uvicorn.Server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
-                                         access_log=args.access_log, timeout_graceful_shutdown=3))
+                                         access_log=False, timeout_graceful_shutdown=3,
+                                         http=head_timeout_protocol(args.read_timeout)))
     startup = _StartupErrors(http)
     logging.getLogger("uvicorn.error").addFilter(startup)
     worker = threading.Thread(target=server.load_and_serve, args=(http,), name="psd-decoder", daemon=True)

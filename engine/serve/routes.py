@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import json
 import math
+import re
 import sys
 import threading
 import time
@@ -15,7 +16,10 @@ import uuid
 
 from .answer import Answer
 from .protocol import MAX_ECHOED, MAX_NAME, ApiError, check_length_header, parse_body, shown, too_large
-from .worker import Job, QueueFull
+from .worker import Job, Owner, QueueFull
+
+REQUEST_ID = re.compile(rb"[!-~]{1,128}")     # a client's X-Request-Id kept as it is: printable ASCII, no spaces
+RETRY_AFTER = "1"                              # seconds, on a 429: a queue slot frees when any choice is admitted
 
 
 def build_app(server):
@@ -29,6 +33,7 @@ def build_app(server):
     key = getattr(server.args, "api_key", None)
     if key:
         app.add_middleware(BearerAuth, key=key, metrics=server.metrics)
+    app.add_middleware(RequestId, log=bool(getattr(server.args, "access_log", False)))   # outermost: every answer
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):          # unknown paths, wrong methods
@@ -91,6 +96,84 @@ class BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestId:
+    """X-Request-Id on every answer: the client's own (printable ASCII without spaces, at most 128
+    characters) or a new one; with --access-log, one line per request naming it."""
+
+    def __init__(self, app, log: bool):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        got = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        rid = got.decode("ascii") if got is not None and REQUEST_ID.fullmatch(got) else uuid.uuid4().hex
+        t0, status = time.perf_counter(), None
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", rid.encode("ascii"))]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.log:       # the path as sent (h11 admits printable ASCII only there), never decoded
+                host, port = scope.get("client") or ("-", 0)
+                path = scope.get("raw_path", b"").decode("ascii", "replace")
+                print(f"access: {host}:{port} \"{scope['method']} {path} HTTP/{scope.get('http_version', '1.1')}\" "
+                      f"{status or '-'} {time.perf_counter() - t0:.3f}s request_id={rid}", file=sys.stderr, flush=True)
+
+
+def head_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol with a deadline for every request's line and headers: a connection
+    that has not sent them within `seconds` of opening, or of its previous answer, is closed.
+    (uvicorn's own keep-alive timer stops at the first byte, so a client that sends part of a
+    request line and stalls would hold its connection forever.)"""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeout(H11Protocol):
+        head_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self):
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:          # a request's head arrived
+                self._disarm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm()                       # (not when a pipelined request already started)
+
+        def _arm(self):
+            self._disarm()
+            self.head_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self):
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _expired(self):
+            self.head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadTimeout
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -168,9 +251,9 @@ class Metrics:
                  [f"psd_sequence_calls_total {self.sequence_calls}"]),
                 ("psd_tokens_per_forward", "gauge", "generated tokens / sequence calls since the start (TPF)",
                  [f"psd_tokens_per_forward {self.decoded_tokens / max(self.sequence_calls, 1):.6f}"]),
-                ("psd_queue_length", "gauge", "requests waiting for the decoding worker",
-                 [f"psd_queue_length {len(getattr(sch, 'waiting', ()))}"]),
-                ("psd_running_batch_size", "gauge", "sequences in the batch being decoded now",
+                ("psd_queue_length", "gauge", "requests with a choice waiting for the decoding worker",
+                 [f"psd_queue_length {sch.queued()}"]),
+                ("psd_running_batch_size", "gauge", "rows (choices) in the running batches now",
                  [f"psd_running_batch_size {getattr(sch, 'running', 0)}"]),
                 ("psd_batch_size", "histogram", "the batch size each choice was decoded in", self.batch.lines("psd_batch_size")),
                 ("psd_request_latency_seconds", "histogram", "request arrival to the last byte of the answer",
@@ -209,26 +292,34 @@ def error(e: ApiError):
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def read_body(request, limit: int) -> bytes:
+async def read_body(request, limit: int, timeout: float | None = None) -> bytes:
     """The request body, at most `limit` bytes: a larger Content-Length is refused unread, and a body
-    without one (chunked) is refused as soon as what arrived passes the limit."""
+    without one (chunked) is refused as soon as what arrived passes the limit; one that has not
+    arrived within `timeout` seconds is a 408 (the connection is closed)."""
     from starlette.requests import ClientDisconnect
 
     check_length_header(request.headers.get("content-length"), limit)
     body = bytearray()
-    try:
+
+    async def read():
         async for piece in request.stream():
-            body += piece
+            body.extend(piece)
             if len(body) > limit:
                 raise too_large(limit, "")
+    try:
+        await asyncio.wait_for(read(), timeout)
     except ClientDisconnect:
         raise ApiError(499, "the client disconnected", "client_disconnected") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--read-timeout)",
+                       "request_timeout", headers={"Connection": "close"}) from None
     return bytes(body)
 
 
 def health_body(server) -> dict:
     sch = server.scheduler
-    body = {"status": server.status, "model": server.name, "queue": len(sch.waiting), "running": sch.running,
+    body = {"status": server.status, "model": server.name, "queue": sch.queued(), "queued_choices": len(sch.waiting),
+            "running": sch.running,
             "max_queue": sch.max_queue, "max_batch": sch.max_batch, "stats": dict(sch.stats)}
     if server.error:
         body["error"] = server.error
@@ -243,9 +334,10 @@ async def submit(server, request, chat: bool) -> list[Job]:
         loaded = getattr(server, "model", None) is not None        # loaded: its worker stopped since
         raise ApiError(503, f"the server failed: {server.error}" if loaded else
                        f"the model failed to load: {server.error}", server.status)
-    body = parse_body(await read_body(request, server.args.max_body_bytes))
+    body = parse_body(await read_body(request, server.args.max_body_bytes, getattr(server.args, "read_timeout", None)))
     loop = asyncio.get_running_loop()
-    jobs = [Job(spec, loop) for spec in server.parse(body, chat)]
+    owner = Owner()                             # the scheduler shares rows fairly between requests
+    jobs = [Job(spec, loop, owner) for spec in server.parse(body, chat)]
     for n, job in enumerate(jobs):
         try:
             server.scheduler.submit(job)
@@ -254,7 +346,7 @@ async def submit(server, request, chat: bool) -> list[Job]:
                 server.scheduler.cancel(queued)
             if isinstance(e, QueueFull):
                 raise ApiError(429, f"the server's queue is full ({server.scheduler.max_queue} requests waiting); "
-                                    f"retry later", "queue_full") from None
+                                    f"retry later", "queue_full", headers={"Retry-After": RETRY_AFTER}) from None
             raise
     return jobs
 

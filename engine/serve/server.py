@@ -45,6 +45,7 @@ class Server:
         if args.chat_template is not None:
             self._set_chat_template(args.chat_template)
         self.name = args.served_model_name or self.model_dir.resolve().name
+        self.args = args
         opts = decoding_options(args)
         problem = size_problem(opts, self.mc.max_length)
         if problem:
@@ -52,13 +53,31 @@ class Server:
         for name, value in self.mc.generation_defaults.items():   # the checkpoint's suggestion
             opts.setdefault(name, value)
         self.defaults = {"method": args.method, **opts}
-        DecodeConfig(**self.defaults).validate()          # bad server flags fail before the server starts
-        self.args = args
+        self._check_flags(DecodeConfig(**self.defaults).validate())   # bad server flags fail before it starts
         self.status, self.error = "loading", None
+        self.max_choices = min(getattr(args, "max_choices", MAX_N), args.max_queue)
         self.scheduler = Scheduler(args.max_queue, args.max_batch, args.batch_wait_ms / 1000,
                                    continuous=getattr(args, "batching", "continuous") == "continuous")
         self.created = int(time.time())
         self.exit_code = 0
+
+    def _check_flags(self, dc: DecodeConfig) -> None:
+        """What `engine.generate` refuses before it reads weights is refused before the server
+        listens: the device, --cuda-graphs off CUDA, a bad --cost-profile. The decoder's other checks
+        run when the default decoder is built on the loaded model, before /health answers 200."""
+        import torch
+
+        from models.parallel import current
+
+        from ..cost import read_profile
+        from ..graphs import graphed
+
+        if current() is None:                 # (under tensor parallel each rank has its device)
+            device = torch.device(resolve_device(self.args.device))
+            if dc.cuda_graphs and device.type != "cuda":
+                graphed(None, dc, device)       # raises its one-line refusal
+        if dc.cost_profile is not None:
+            read_profile(dc.cost_profile)
 
     def _set_chat_template(self, value: str) -> None:
         """--chat-template: a file, or the template text itself (compiled now: a broken one fails here)."""
@@ -86,6 +105,7 @@ class Server:
 
             from ..config import DecodeConfig
             from ..distributed import decoder_class
+            from ..loop import Decoder
 
             if self.args.threads:
                 torch.set_num_threads(self.args.threads)
@@ -93,6 +113,8 @@ class Server:
             tp = current()                     # tensor parallel (torchrun): this rank's shard
             model = load_model(self.model_dir, dtype=self.args.dtype,
                                device=tp.device if tp else resolve_device(self.args.device), tp=tp)
+            Decoder(model, DecodeConfig(**self.defaults))   # the server's default decoder: every check of
+            # engine.generate (--compile's compiler, --cuda-graphs' options, ...) before /health says ok
             decoder_class()(model, DecodeConfig(gen_length=1, block_length=1)).generate(
                 [self.tok.encode("a") or [self.mc.eos_token_id]])
             self.model = model
@@ -141,6 +163,8 @@ class Server:
                 raise bad("max_tokens and max_completion_tokens differ", "max_completion_tokens")
             max_tokens = mct if mct is not None else max_tokens
         n = int_field(body, "n", 1, MAX_N) or 1
+        if chat and n > self.max_choices:
+            raise bad(self._too_many(1, n), "n")
         logprobs = self._logprobs_field(body, chat)
         echo = None if chat else body.get("echo")
         if echo is not None and not isinstance(echo, bool):
@@ -211,10 +235,8 @@ class Server:
         list of either (at most --max-queue choices in all, counted before anything is encoded)."""
         many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
         prompts = prompt if many else [prompt]
-        cap = self.scheduler.max_queue
-        if len(prompts) * n > cap:
-            raise InputError(f"{len(prompts)} prompts times n {n} is more choices than the server's queue "
-                             f"holds ({cap}, --max-queue)")
+        if len(prompts) * n > self.max_choices:
+            raise InputError(self._too_many(len(prompts), n))
         out = []
         for i, p in enumerate(prompts):
             try:
@@ -223,6 +245,11 @@ class Server:
             except InputError as e:
                 raise InputError(f"prompt {i}: {e}" if many and len(prompts) > 1 else str(e)) from None
         return out
+
+    def _too_many(self, prompts: int, n: int) -> str:
+        flag = "--max-choices" if self.max_choices < self.scheduler.max_queue else "--max-queue"
+        return (f"{prompts} prompt{'s' * (prompts != 1)} times n {n} is {prompts * n} choices, more than one request "
+                f"may ask for ({self.max_choices}, {flag})")
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -4,12 +4,18 @@ Continuous batching (the default): jobs with equal decoding options share a runn
 `engine.live.LiveBatch` that they join at its next block boundary and leave when they are done,
 so a short request sent after a long one can finish first, and an answer comes when its own
 sequence ends. Batches of different options take turns, one model call each. Static batching
-(`--batching static`, the earlier behaviour): the oldest waiting job and every waiting job with an
-equal config are decoded together from start to end."""
+(`--batching static`, the earlier behaviour): a waiting job and every waiting job with an equal
+config are decoded together from start to end.
+
+Fair between requests: a request's jobs (its prompts times n) take rows in turn with other
+requests' jobs. The next free row goes to the waiting job of the request that holds the fewest
+rows now, ties to the request that has waited longest since it last got one (`Scheduler._fair`),
+so k requests hold about max_batch / k rows each and one alone takes them all."""
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import threading
 import time
 import traceback
@@ -24,11 +30,21 @@ class QueueFull(Exception):
     pass
 
 
-class Job:
-    """One request between the HTTP side (an asyncio queue of events) and the worker thread."""
+class Owner:
+    """The HTTP request that jobs belong to, as the fair scheduler sees it: when it last got a
+    row (in the scheduler's ticks) and its order of arrival."""
 
-    def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop):
+    def __init__(self):
+        self.last, self.seq = None, None
+
+
+class Job:
+    """One choice of a request between the HTTP side (an asyncio queue of events) and the worker
+    thread; the jobs of one request share an `Owner`."""
+
+    def __init__(self, spec: Spec, loop: asyncio.AbstractEventLoop, owner: Owner | None = None):
         self.spec, self.loop = spec, loop
+        self.owner = owner or Owner()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False                # the client went away: output is discarded
         self.submitted = time.perf_counter()
@@ -65,6 +81,8 @@ class Scheduler:
         self.waiting: list[Job] = []
         self.running = 0
         self.closing = False
+        self.tick = 0                         # rows handed out so far: the fair order's clock
+        self.arrivals = itertools.count()
         self.stats = {"requests": 0, "batches": 0, "rows": 0, "largest_batch": 0, "calls": 0, "cancelled": 0,
                       "aborted_batches": 0, "errors": 0}
 
@@ -74,6 +92,8 @@ class Scheduler:
                 raise ApiError(503, "the server is shutting down", "shutting_down")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull()
+            if job.owner.seq is None:         # a new request waits from now: before those served since
+                job.owner.seq, job.owner.last = next(self.arrivals), self.tick - 0.5
             self.waiting.append(job)
             self.cond.notify()
 
@@ -95,8 +115,33 @@ class Scheduler:
             self.waiting.clear()
             self.cond.notify_all()
 
+    def queued(self) -> int:
+        """Requests with a job waiting."""
+        with self.cond:
+            return len({id(j.owner) for j in self.waiting})
+
+    def _fair(self, rows: dict, key=None) -> Job | None:
+        """The waiting job (of config `key`, if given) that gets the next row: the oldest one of the
+        request holding the fewest rows (`rows`: by id of owner), ties to the request that waited
+        longest since its last row. Taking it (`_take`) counts its row and moves its request back."""
+        best, rank = None, None
+        for j in self.waiting:
+            if key is not None and j.key != key:
+                continue
+            r = (rows.get(id(j.owner), 0), j.owner.last, j.owner.seq)
+            if rank is None or r < rank:
+                best, rank = j, r
+        return best
+
+    def _take(self, job: Job, rows: dict) -> None:
+        self.waiting.remove(job)
+        rows[id(job.owner)] = rows.get(id(job.owner), 0) + 1
+        self.tick += 1
+        job.owner.last = self.tick
+
     def _next_batch(self) -> list[Job] | None:
-        """The oldest waiting job and every waiting job with an equal config (up to max_batch)."""
+        """A waiting job (`_fair`) and waiting jobs with an equal config, up to max_batch, taken in
+        the fair order (round-robin over their requests)."""
         with self.cond:
             idle = not self.waiting
             while True:
@@ -109,10 +154,12 @@ class Scheduler:
                     return None
                 if self.waiting:             # (a waiting client may have gone away meanwhile)
                     break
-            key = self.waiting[0].key
-            batch = [j for j in self.waiting if j.key == key][:self.max_batch]
-            for j in batch:
-                self.waiting.remove(j)
+            rows: dict = {}
+            key = self._fair(rows).key
+            batch = []
+            while len(batch) < self.max_batch and (job := self._fair(rows, key)) is not None:
+                self._take(job, rows)
+                batch.append(job)
             self.running = len(batch)
             return batch
 
@@ -200,39 +247,45 @@ class Scheduler:
                         del live.jobs[h]
                     if gone and not live.jobs:       # every client of the batch went away: it stops
                         self.stats["aborted_batches"] += 1
-                self.running = sum(lv.batch.running + len(lv.batch.waiting) for lv in lives.values())
+                self.running = self._rows(lives)
             if not turn:
                 continue
             key = turn[0]
             turn.rotate(-1)
             live = lives[key]
-            if self._advance(live):
-                continue
-            del lives[key]                               # idle or failed: its decoder goes
-            turn.remove(key)
+            if not self._advance(live):
+                del lives[key]                           # idle or failed: its decoder goes
+                turn.remove(key)
+            self.running = self._rows(lives)             # (also 0 once the last batch is idle)
+
+    @staticmethod
+    def _rows(lives: dict) -> int:
+        return sum(lv.batch.running + len(lv.batch.waiting) for lv in lives.values())
 
     def _admit(self, model, lives: dict, turn) -> None:
         from ..distributed import decoder_class
         from ..live import LiveBatch
 
         Decoder = decoder_class()                        # tensor parallel: rank 0 sends each model call to the others
-        rows = sum(lv.batch.running + len(lv.batch.waiting) for lv in lives.values())
-        for job in list(self.waiting):
-            if rows >= self.max_batch:                   # --max-batch bounds the rows of all running batches
-                break
+        rows = self._rows(lives)
+        held: dict = {}                                  # rows each request holds now
+        for lv in lives.values():
+            for j in lv.jobs.values():
+                held[id(j.owner)] = held.get(id(j.owner), 0) + 1
+        # --max-batch bounds the rows of all running batches; a free row goes to the fair next job
+        while rows < self.max_batch and (job := self._fair(held)) is not None:
+            self._take(job, held)
             key = live_key(job.spec.config)
             live = lives.get(key)
             if live is None:
                 try:
                     live = _Live(LiveBatch(Decoder(model, job.spec.config), max_rows=self.max_batch))
                 except InputError as e:
-                    self.waiting.remove(job)
                     job.push("error", ApiError(400, str(e)))
                     continue
                 lives[key] = live
                 turn.append(key)
                 self.stats["batches"] += 1                 # a running batch formed
-            self.waiting.remove(job)
             try:
                 handle = live.batch.add(job.spec.prompt_ids, gen_length=job.spec.config.gen_length)
             except InputError as e:
@@ -268,12 +321,10 @@ class Scheduler:
         if update.rows:
             st["calls"] += 1
             st["largest_batch"] = max(st["largest_batch"], update.rows)
-            for h in live.batch.handles:         # the call's rows: an answer with no text piece counts too
-                if h in live.jobs:
-                    live.jobs[h].batch_size = max(live.jobs[h].batch_size, update.rows)
         for h, piece in update.pieces.items():
             j = live.jobs.get(h)
             if j is not None and not j.cancelled:
+                j.batch_size = max(j.batch_size, update.rows)
                 j.push("tokens", (piece, update.probs[h], update.tops.get(h)))
         for h, res in update.done.items():
             j = live.jobs.pop(h, None)

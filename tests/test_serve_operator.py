@@ -1,0 +1,206 @@
+"""Issue 31, items 3, 5 and 6: `python -m engine.serve` is fair between requests, refuses bad flags
+before it reports ready, and gives an operator request ids, Retry-After, a read timeout and
+queue/running gauges. One server (the shipped model, 4 rows) serves the whole module; the
+scheduler's order is also checked without a model."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from support import NAME, REPO, ServerProcess, free_port, run_main  # noqa: E402
+from test_serve import PROMPTS  # noqa: E402
+
+from engine.config import DecodeConfig  # noqa: E402
+from engine.serve.protocol import Spec  # noqa: E402
+
+ROWS, QUEUE = 4, 66
+SHORT = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 8}
+# 16 prompts times n 4: 64 choices, the default --max-choices; 16 times the server's rows
+BIG = {"model": NAME, "prompt": (PROMPTS * 4)[:16], "n": 4, "max_tokens": 32, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(tmp_path_factory.mktemp("operator"), "--max-batch", str(ROWS), "--max-queue", str(QUEUE),
+                      "--method", "confidence", "--threshold", "0.9", "--read-timeout", "1", "--access-log")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def _post(server, body, **kw):
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=kw.pop("timeout", 120), **kw)
+
+
+def _gauges(server) -> dict:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {k: float(v) for k, v in re.findall(r"^(psd_queue_length|psd_running_batch_size) (\S+)$", text, re.M)}
+
+
+# ------------------------------------------------------------------------------ 3. fair between requests
+def test_a_short_request_is_not_starved_by_a_many_choice_request(server):
+    """While a 64-choice request holds every row, a short request gets the next free row: it is
+    answered within a small multiple of its time alone, with the same tokens, long before the big
+    one ends. (Before: it queued behind all 64 choices.) Meanwhile the gauges say 1 request
+    waiting and 4 rows running, and a request that would overfill the queue gets 429 + Retry-After."""
+    alone_answers = [_post(server, SHORT) for _ in range(2)]
+    alone = min(r.elapsed.total_seconds() for r in alone_answers)
+    finished = []                                    # the big request's choices, as they finish
+    with httpx.Client(timeout=300) as client, client.stream("POST", server.url + "/v1/completions",
+                                                            json=BIG) as big:
+        assert big.status_code == 200
+
+        def read():
+            try:
+                for line in big.iter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("finish_reason"):
+                        finished.append(time.perf_counter())
+            except httpx.HTTPError:                  # closed below
+                pass
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while (h := server.health())["running"] < ROWS:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.01)
+        assert h["queue"] == 1 and h["queued_choices"] >= 64 - 2 * ROWS
+        assert _gauges(server) == {"psd_queue_length": 1, "psd_running_batch_size": ROWS}
+        full = _post(server, {**SHORT, "n": QUEUE - h["queued_choices"] + 2 * ROWS})
+        assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
+        r = _post(server, SHORT, timeout=30 * alone + 30)
+        done_then = len(finished)
+        big.close()                                  # the big request's client goes away: its rows are dropped
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == alone_answers[0].json()["choices"][0]["text"]    # temperature 0
+    assert done_then < 64 // 4, f"the short request waited for {done_then} of the big request's 64 choices"
+    assert r.elapsed.total_seconds() < 10 * alone, (r.elapsed.total_seconds(), alone)
+    deadline = time.monotonic() + 60
+    while _gauges(server) != {"psd_queue_length": 0, "psd_running_batch_size": 0}:     # idle again
+        assert time.monotonic() < deadline, _gauges(server)
+        time.sleep(0.05)
+
+
+def test_choices_per_request_are_limited(server):
+    r = _post(server, {**SHORT, "n": 65})
+    assert r.status_code == 400 and "65 choices" in r.text and "--max-choices" in r.text
+    r = _post(server, {**SHORT, "prompt": [PROMPTS[0]] * 33, "n": 2})
+    assert r.status_code == 400 and "33 prompts times n 2 is 66 choices" in r.text
+
+
+def _job(owner, seed=0):
+    from engine.serve.worker import Job
+
+    return Job(Spec([1, 2], DecodeConfig(seed=seed), 8, [], False, False, False), None, owner)
+
+
+def test_rows_go_round_robin_over_requests():
+    """The scheduler's order without a model: a request holding rows yields the next free row to one
+    holding fewer; a request alone takes them all; static batches mix requests in turn."""
+    from engine.serve.worker import Owner, Scheduler
+
+    sch = Scheduler(max_queue=100, max_batch=4, continuous=False)
+    a, b, c = Owner(), Owner(), Owner()
+    big = [_job(a) for _ in range(10)]
+    for j in big:
+        sch.submit(j)
+    assert sch._next_batch() == big[:4]                  # alone: every row
+    small = [_job(b), _job(b)]
+    other = [_job(c, seed=1)]                            # other options: a batch of its own
+    for j in small + other:
+        sch.submit(j)
+    assert sch.queued() == 3
+    assert sch._next_batch() == [small[0], big[4], small[1], big[5]]     # b waited since a's batch: first
+    assert sch._next_batch() == other                    # c waited longer than a's last turn
+    held = {id(a): 4}                                    # continuous: a holds 4 rows, b arrives
+    late = _job(b)
+    sch.submit(late)
+    assert sch._fair(held) is late
+
+
+# ------------------------------------------------------------------------------ 5. bad flags fail at start
+def test_a_flag_engine_generate_refuses_fails_before_ready(tmp_path, capsys):
+    """`--cuda-graphs` off CUDA and a bad `--cost-profile` used to start a server that answered 400
+    to every request; now they are one `error:` line and exit 2 before anything is served."""
+    proc = subprocess.run([sys.executable, "-m", "engine.serve", "--port", str(free_port()), "--device", "cpu",
+                           "--cuda-graphs", "--static-rows"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == ["error: --cuda-graphs needs a CUDA device"]
+    from engine.serve.cli import main
+
+    bad_profile = tmp_path / "profile.json"
+    bad_profile.write_text("{}")
+    for flags, words in [(["--method", "psd", "--draft-budget", "auto", "--cost-profile", str(bad_profile)],
+                          "is not a psd-cost-profile/1 file"),
+                         (["--method", "psd", "--draft-budget", "auto", "--cost-profile", str(tmp_path / "none")],
+                          "cannot read cost profile"),
+                         (["--max-choices", "0"], "--max-choices must be >= 1"),
+                         (["--read-timeout", "0"], "--read-timeout must be in")]:
+        rc, _, err = run_main(main, ["--port", str(free_port()), "--device", "cpu", *flags], capsys)
+        assert rc == 2 and err.strip().startswith("error:") and words in err, (flags, err)
+        assert len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------------ 6. operator basics
+def test_request_id_is_echoed_or_made_and_logged(server):
+    mine = httpx.get(server.url + "/v1/models", headers={"X-Request-Id": "trace-42/a.b"}, timeout=10)
+    assert mine.headers["x-request-id"] == "trace-42/a.b"
+    made = _post(server, {**SHORT, "max_tokens": 0})                # an error answer gets one too
+    assert made.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])
+    odd = httpx.get(server.url + "/health", headers={"X-Request-Id": "a b" + "x" * 200}, timeout=10)
+    assert re.fullmatch(r"[0-9a-f]{32}", odd.headers["x-request-id"])     # not printable-ASCII-only or too long
+    deadline = time.monotonic() + 10
+    while True:
+        log = server.log.read_text()
+        if "request_id=trace-42/a.b" in log and f"request_id={made.headers['x-request-id']}" in log:
+            break
+        assert time.monotonic() < deadline, log[-2000:]
+        time.sleep(0.05)
+    assert re.search(r'"POST /v1/completions HTTP/1.1" 400 \S+s request_id=' + made.headers["x-request-id"], log)
+
+
+def _closed_after(sock: socket.socket, limit: float) -> tuple[float, bytes]:
+    """Seconds until the server closes `sock` (reading what it sent), at most `limit`."""
+    t0, got = time.monotonic(), b""
+    sock.settimeout(limit)
+    while True:
+        piece = sock.recv(4096)
+        if not piece:
+            return time.monotonic() - t0, got
+        got += piece
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/compl", b"GET /health HTTP/1.1\r\nHost: x\r\n"])
+def test_a_client_that_stalls_in_its_request_head_is_disconnected(server, sent):
+    """--read-timeout 1: a connection that sends nothing, half a request line, or headers without
+    their end is closed after about a second (uvicorn alone never closes the last two)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(sent)
+        seconds, got = _closed_after(s, 15)
+    assert 0.8 < seconds < 5 and got == b""
+
+
+def test_a_client_that_stalls_in_its_body_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+        seconds, got = _closed_after(s, 15)
+    assert 0.8 < seconds < 5 and got.startswith(b"HTTP/1.1 408 ") and b"--read-timeout" in got
+    # a keep-alive connection is given the same time for its next request, then closed
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        seconds, got = _closed_after(s, 15)
+    assert got.startswith(b"HTTP/1.1 200 ") and seconds < 5
