@@ -17,6 +17,7 @@ from ..methods import METHODS
 from .routes import build_app, head_timeout_protocol
 from .server import Server
 
+DECODER_THREAD = "psd-decoder"   # the thread that loads the model and decodes
 MAX_BODY_BYTES = 4 << 20     # --max-body-bytes: a prompt at any model's length is far less; more is an attack
 MAX_CHOICES = 64             # --max-choices: a request's prompts times n (two --max-batch's worth at its default)
 READ_TIMEOUT = 30.0          # --read-timeout: seconds a client has to send a request's head, and then its body
@@ -86,7 +87,14 @@ def main(argv=None) -> int:
     if not plugins_loaded(argv):                 # a plugin's methods are the server's to offer
         return 2
     args = build_parser().parse_args(argv)
-    return guarded(_main, args)
+    status = guarded(_main, args)
+    if any(t.name == DECODER_THREAD and t.is_alive() for t in threading.enumerate()):
+        # the server did not start while the model was still loading (inside torch's C++ code): an
+        # interpreter ending under that thread aborts ("terminate called ..."), so leave at once
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def loopback(host: str) -> bool:
@@ -178,7 +186,7 @@ def _main(args) -> int:
                                          http=head_timeout_protocol(args.read_timeout)))
     startup = _StartupErrors(http)
     logging.getLogger("uvicorn.error").addFilter(startup)
-    worker = threading.Thread(target=server.load_and_serve, args=(http,), name="psd-decoder", daemon=True)
+    worker = threading.Thread(target=server.load_and_serve, args=(http,), name=DECODER_THREAD, daemon=True)
     worker.start()
     print(f"serving {server.name} ({server.model_dir}) on http://{where(args.host, args.port)} "
           f"(loading; GET /health answers 200 when ready)", file=sys.stderr, flush=True)
