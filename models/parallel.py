@@ -13,8 +13,9 @@ Megatron-style across the ranks of the group:
     replicated       embeddings, the LM head, every RMSNorm: every rank holds them whole, so after
                      the last all-reduce every rank computes the same full logits
 
-Two all-reduces per block and no other communication; every rank runs the same decoding loop on
-the same inputs, so every rank takes the same decisions. `shard_index` tells the loader which
+Two all-reduces per block inside a model call. Under torchrun rank 0 alone runs the decoding loop
+and broadcasts each model call's inputs; the other ranks run the same call on their shard
+(engine/distributed.py). `shard_index` tells the loader which
 slice of a checkpoint tensor a rank reads (safetensors `get_slice`), so a rank never reads the
 other ranks' slices.
 """
