@@ -162,7 +162,8 @@ def _main(args) -> int:
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError:
-        raise InputError("the server needs fastapi and uvicorn: pip install -e '.[serve]'") from None
+        raise InputError("the server needs fastapi and uvicorn: pip install 'psd-engine[serve]' (from a checkout: "
+                         "pip install -e '.[serve]')") from None
     if args.api_key is None:
         args.api_key = os.environ.get("PSD_API_KEY") or None
     if args.api_key is not None and (not args.api_key.strip() or any(c.isspace() for c in args.api_key)):

@@ -321,10 +321,12 @@ class Scheduler:
         if update.rows:
             st["calls"] += 1
             st["largest_batch"] = max(st["largest_batch"], update.rows)
+            for h in live.batch.handles:         # the call's rows: an answer with no text piece counts too
+                if h in live.jobs:
+                    live.jobs[h].batch_size = max(live.jobs[h].batch_size, update.rows)
         for h, piece in update.pieces.items():
             j = live.jobs.get(h)
             if j is not None and not j.cancelled:
-                j.batch_size = max(j.batch_size, update.rows)
                 j.push("tokens", (piece, update.probs[h], update.tops.get(h)))
         for h, res in update.done.items():
             j = live.jobs.pop(h, None)
