@@ -265,7 +265,8 @@ def test_draft_verification_never_copies_the_cache_per_draft(family):
     import models.transformer as tr
 
     orig = tr.KVCache.for_rows
-    tr.KVCache.for_rows = lambda self, rm: tr.KVCache([(k[rm], v[rm]) for k, v in self.layers], self.key_mask[rm], None)
+    tr.KVCache.for_rows = lambda self, rm, own_masked=False: tr.KVCache(
+        [(k[rm], v[rm]) for k, v in self.layers], self.key_mask[rm], None, own_masked=own_masked)
     try:
         Sizes.biggest = 0
         with Sizes():
