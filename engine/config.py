@@ -34,6 +34,7 @@ class DecodeConfig:
     ignore_eos: bool | None
     min_tokens: int
     top_logprobs: int
+    align: str
     conf_dtype: str
     static_rows: bool | None
     compile: bool | None
@@ -99,14 +100,19 @@ class DecodeConfig:
         if self.top_logprobs and self.cross_block:
             raise InputError("--top-logprobs is not supported with --cross-block (a block opened from a carried "
                              "output has no alternatives)")
+        if self.editing_threshold is not None and len(self.draft_graph()) > 1:
+            raise InputError("token editing (--editing-threshold) is not supported with drafts: a step that edits "
+                             "changes tokens a draft was built on, so no draft past it is the plain policy's step "
+                             "(docs/algorithms.md §8)")
         if self.cost_profile is not None and self.draft_budget != "auto":
             raise InputError("a cost profile applies to --draft-budget auto only")
         top = max((r for s in self.draft_graph().nodes for r in s), default=-1)
         if top >= self.block_length * self.window_blocks:
             raise InputError(f"the draft graph names rank {top}, but a step ranks at most "
                              f"{self.block_length * self.window_blocks} positions (the block length)")
-        if self.gen_length % self.block_length:
-            raise InputError(f"gen length {self.gen_length} is not a multiple of the block length {self.block_length}")
+        if self.gen_length % self.block_length and self.align != "sequence":
+            raise InputError(f"gen length {self.gen_length} is not a multiple of the block length {self.block_length} "
+                             f"(--align sequence takes any)")
         self.spec.policy_class(self).check(self)
         return self
 
@@ -118,6 +124,11 @@ class DecodeConfig:
     @property
     def num_blocks(self) -> int:
         return self.gen_length // self.block_length
+
+    def aligned(self, mc) -> bool:
+        """Blocks counted from each sequence's first token (`--align sequence`; auto: on block-causal
+        models, whose attention blocks are counted so)?"""
+        return self.align == "sequence" or (self.align == "auto" and mc.attention == "block_causal")
 
     def policy(self) -> Policy:
         return self.spec.policy_class(self).from_config(self)
@@ -176,7 +187,8 @@ def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | None = None) 
             raise InputError(f"prompt {n} holds a token id outside the vocabulary of size {mc.vocab_size}")
         if mc.mask_token_id in ids:
             raise InputError(f"prompt {n} contains the mask token (id {mc.mask_token_id})")
-        if len(ids) + gen_length > mc.max_length:
+        if len(ids) + gen_length + (-(len(ids) + gen_length) % dc.block_length if dc.aligned(mc) else 0) \
+                > mc.max_length:
             raise InputError(f"prompt {n} of {len(ids)} tokens plus gen length {gen_length} exceeds "
                              f"the model's maximum length {mc.max_length}")
         out.append(ids)

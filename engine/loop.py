@@ -33,7 +33,7 @@ from .config import DecodeConfig, check_prompts
 from .errors import InputError
 from .graph import make_plan
 from .graphs import graphed
-from .progress import apply_stopping, guard_progress, raise_failure
+from .progress import apply_stopping, generated, guard_progress, raise_failure, settle_edits
 from .policies import policy_select, rank_of, sequence_noise
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
 from .state import Batch, BlockRun, new_batch
@@ -128,11 +128,14 @@ class Decoder:
         """A batch of (checked) prompts; `gen_lengths`: one per prompt (default: the config's)."""
         lengths = gen_lengths or [self.dc.gen_length] * len(prompts)
         batch = new_batch(self.mc, prompts, lengths, self.dc.block_length, self.graph.depth, len(self.graph),
-                          self.model.device, self.dc.top_logprobs)
+                          self.model.device, self.dc.top_logprobs, aligned=self.dc.aligned(self.mc))
         if self.policy.random:           # each sequence's draw at its generated positions
-            P, G = batch.prompt_width, max(lengths)
+            G, starts = int(batch.gen_len.max()), batch.gen_start.tolist()
             batch.noise = torch.zeros(batch.x.shape, device=self.model.device)
-            batch.noise[:, P:P + G] = sequence_noise(prompts, self.dc.seed, G).to(self.model.device)
+            draw = sequence_noise(prompts, self.dc.seed, G).to(self.model.device)
+            for b, g0 in enumerate(starts):
+                n = min(G, batch.x.shape[1] - g0)
+                batch.noise[b, g0:g0 + n] = draw[b, :n]
         return batch
 
     def _open_block(self, batch: Batch) -> BlockRun | None:
@@ -166,7 +169,8 @@ class Decoder:
             nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
             carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
             noise=None if batch.noise is None else batch.noise[seqs, span], top=top,
-            commit_top=None if batch.commit_top is None else batch.commit_top[seqs, span])
+            commit_top=None if batch.commit_top is None else batch.commit_top[seqs, span],
+            post=zeros() if self.policy.edits else None)
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
@@ -205,11 +209,15 @@ class Decoder:
         """Stage 1: the policy commits on the latest verifier output; returns the masks [S, W]."""
         blk = run.block()
         masked = blk == self.mc.mask_token_id
-        was_pending, may_idle = run.pending.clone(), self.policy.may_idle(run.step)
+        # a row with nothing masked is in an editing pass (policy.edits): it commits nothing
+        was_pending, may_idle = run.pending.clone(), self.policy.may_idle(run.step) | ~masked.any(-1)
         noise = None if run.noise is None else run.noise[:, :run.win.width]
         commit = policy_select(self.policy, run.conf, masked, run.step, noise) & run.pending[:, None]
         if self.budget is not None:
             self.budget.observe_commit(commit, was_pending)
+        if self.policy.edits:        # token editing: committed generated tokens the same output replaces
+            commit = commit | self.policy.edit(run.conf, run.pred, blk, ~masked & generated(run)) \
+                & run.pending[:, None]
         W = run.win.width
         run.x[:, run.win.lo:run.win.hi] = torch.where(commit, run.pred, blk)
         run.commit_call[:, :W] = torch.where(commit, run.calls[:, None], run.commit_call[:, :W])
@@ -218,7 +226,11 @@ class Decoder:
         if run.top is not None:
             run.commit_top[:, :W] = torch.where(commit[..., None, None], run.top, run.commit_top[:, :W])
         run.step = run.step + run.pending.long()
-        masked_after = apply_stopping(run, self.stop_ids, self.mc.mask_token_id)
+        if self.policy.edits:
+            masked_after = settle_edits(run, self.policy, self.stop_ids, self.mc.mask_token_id, masked, commit,
+                                        generated(run))
+        else:
+            masked_after = apply_stopping(run, self.stop_ids, self.mc.mask_token_id)
         guard_progress(run, was_pending, masked, masked_after, may_idle)
         return masked_after
 

@@ -15,7 +15,7 @@ from .acceptance import BestScore, DraftConfidence, Hierarchical, Selection
 from .graph import DraftGraph
 from .options import OPTIONS, POLICY_NAMES
 from .options import register as register_option
-from .policies import Confidence, CrossBlock, Greedy, LeftToRight, LocalLeap, Policy, Random, TopK
+from .policies import Confidence, CrossBlock, Greedy, LeftToRight, LocalLeap, Policy, Random, Threshold, TopK
 
 
 def _never(cfg) -> bool:
@@ -121,6 +121,8 @@ for _m in (
     Method("left", "semi-autoregressive: the left-most masked position and the confident run after it",
            LeftToRight, is_policy=True),
     Method("random", "LLaDA's random remasking: topk's schedule, positions drawn at random (seeded)", Random,
+           is_policy=True),
+    Method("threshold", "LLaDA2.x: c > τ per step, at least its k_t; optional token editing", Threshold,
            is_policy=True),
     Method("spiffy", "lossless drafts of greedy over a draft graph", Greedy, ("depth", "graph") + SPECULATION,
            graph=_option_graph, exact=lambda cfg: True, describe=_speculative),

@@ -21,6 +21,7 @@ from .graph import MAX_NODES, DraftGraph
 
 CONF_DTYPES = ("float32", "float64")
 ACCEPTANCE = ("policy", "exact")
+ALIGNMENTS = ("auto", "generation", "sequence")
 
 
 def join(names) -> str:
@@ -171,6 +172,11 @@ for _o in (
            "in the output that committed it (SequenceResult.commit_top; 0: off)", 0, "--top-logprobs",
            check=_between(0, MAX_TOP_LOGPROBS, "the most alternatives recorded per token"), general=True,
            metavar="K"),
+    Option("align", str, "where blocks start: generation (at each sequence's first generated position), sequence "
+           "(every block_length positions from its first prompt token: the block holding the prompt's end is decoded "
+           "first, its prompt part kept, and the last block runs past gen length to its end, the output cut at gen "
+           "length; LLaDA2's layout) or auto (sequence on block-causal models, else generation)", "auto",
+           "block alignment", choices=ALIGNMENTS, general=True),
     Option("conf_dtype", str, "dtype of the confidence computation (float64 for parity with references)",
            "float32", "confidence dtype", choices=CONF_DTYPES, general=True),
     Option("static_rows", bool, "pad every verification call of a block to the block's rows times the graph's "

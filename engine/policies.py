@@ -129,6 +129,11 @@ class Policy:
         a policy commits at least one masked position per step, §2)."""
         return torch.zeros_like(step, dtype=torch.bool)
 
+    @property
+    def edits(self) -> bool:
+        """Whether this policy's steps also replace committed tokens (`edit`, `keeps_editing`)."""
+        return False
+
     def describe(self) -> str:
         return self.name
 
@@ -213,6 +218,87 @@ class Confidence(Policy):
 
     def describe(self):
         return f"confidence(tau={self.tau})"
+
+
+def _positive(label, v):
+    return None if v > 0 else f"{label} must be > 0, got {v}"
+
+
+@dataclass(frozen=True)
+class Threshold(Policy):
+    """LLaDA2.x's rule (the authors' generate(), diffusers' BlockRefinementScheduler): a block has
+    `steps_per_block` steps and LLaDA's even split k_t of the block length over them; a step commits
+    every masked position with c > τ when at least k_t of them pass, else the k_t most confident (all
+    that are masked, if fewer). With more steps than positions the late k_t are 0 and such a step
+    commits only what passes τ, maybe nothing (`may_idle`).
+
+    Token editing (`edit_tau`, off by default): the same step also replaces every committed,
+    non-prompt token of the block whose prediction is another token with c > edit_tau. A block then
+    stays open after its last mask is filled while its steps are not used up, and for editing passes
+    (calls that commit nothing, only edit) while the previous one edited, at most
+    `max_post_steps` + 1 of them (`keeps_editing`, docs/algorithms.md §8)."""
+
+    block_len: int
+    steps_per_block: int
+    tau: float = 0.95
+    edit_tau: float | None = None
+    max_post_steps: int = 16
+    name = "threshold"
+    params = {"threshold": "tau", "block_steps": "steps_per_block", "editing_threshold": "edit_tau",
+              "max_post_steps": "max_post_steps"}
+    declares = (Option("block_steps", int, "steps per block (LLaDA2's steps; at most the gen length; default the "
+                       "block length)", check=lambda l, v: None if v >= 1 else f"{l} must be >= 1, got {v}",
+                       label="block steps"),
+                Option("editing_threshold", float, "token editing: a committed, non-prompt token of the open block "
+                       "is replaced by the model's prediction when that is another token with confidence above "
+                       "this (LLaDA2.1's editing; off when not given)", label="editing threshold", check=_positive),
+                Option("max_post_steps", int, "with editing: at most this many + 1 editing passes after a block's "
+                       "last mask is filled (LLaDA2's max_post_steps)", label="max post steps",
+                       check=lambda l, v: None if v >= 0 else f"{l} must be >= 0, got {v}"))
+
+    @classmethod
+    def from_config(cls, cfg):
+        steps = min(cfg.block_length if cfg.block_steps is None else cfg.block_steps, cfg.gen_length)
+        extra = {f: getattr(cfg, o) for o, f in (("threshold", "tau"), ("editing_threshold", "edit_tau"),
+                                                 ("max_post_steps", "max_post_steps")) if getattr(cfg, o) is not None}
+        return cls(cfg.block_length, steps, **extra)
+
+    @classmethod
+    def check(cls, cfg):
+        if cfg.max_post_steps is not None and cfg.editing_threshold is None:
+            raise InputError("max post steps applies with an editing threshold only")
+
+    def _k(self, step: torch.Tensor) -> torch.Tensor:
+        sched = torch.tensor(num_transfer_tokens(self.block_len, self.steps_per_block), device=step.device)
+        return sched[step.clamp(max=self.steps_per_block - 1)]
+
+    def may_idle(self, step):
+        return self._k(step) == 0
+
+    def select(self, conf, masked, step):
+        k = self._k(step)                                                           # [R]
+        high = masked & (conf > self.tau)
+        ranks, _ = psd_kernels.position_ranks(conf.float(), masked)
+        return torch.where((high.sum(-1) >= k)[:, None], high, (ranks < k[:, None]) & masked)
+
+    @property
+    def edits(self) -> bool:
+        return self.edit_tau is not None
+
+    def edit(self, conf, pred, block, editable):
+        """The committed tokens this step replaces [R, L]: `editable` (committed, generated) positions whose
+        prediction differs from their token with c > edit_tau."""
+        return editable & (pred != block) & (conf > self.edit_tau)
+
+    def keeps_editing(self, step, filling, edited, post):
+        """Rows [R] whose block stays open for another call although nothing in it is masked: the step
+        that filled its last mask (`filling`) was not its last (`step` counts the steps taken), or the
+        editing pass just taken (`post` of them so far) edited a token and the passes are not used up."""
+        return torch.where(filling, step < self.steps_per_block, edited & (post <= self.max_post_steps))
+
+    def describe(self):
+        edit = "" if self.edit_tau is None else f",edit={self.edit_tau},post={self.max_post_steps}"
+        return f"threshold(tau={self.tau},steps/block={self.steps_per_block}{edit})"
 
 
 @dataclass(frozen=True)

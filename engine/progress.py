@@ -29,10 +29,39 @@ def apply_stopping(run: BlockRun, stop_ids: torch.Tensor, mask_id: int, rows=sli
     while its block has masked positions. Returns the rows' masks [R, W]."""
     blk = run.block(rows)
     masked = blk == mask_id
-    stopped, first = stopped_at(blk, masked, stop_ids, run.valid[rows, run.win.lo:run.win.hi])
+    stopped, first = stopped_at(blk, masked, stop_ids, generated(run, rows))
     stopped &= run.pending[rows]
     run.stop_at[rows] = torch.where(stopped, run.win.lo + first, run.stop_at[rows])     # a canvas column
     run.pending[rows] = run.pending[rows] & ~stopped & masked[:, :run.win.block_length].any(-1)
+    return masked
+
+
+def generated(run: BlockRun, rows=slice(None)) -> torch.Tensor:
+    """[R, W] the window's columns that hold the row's own generated positions: valid, and not its
+    prompt (a block holds the prompt's end with --align sequence)."""
+    col = torch.arange(run.win.lo, run.win.hi, device=run.x.device)
+    return (col[None] >= run.gen_start[rows, None]) & run.valid[rows, run.win.lo:run.win.hi]
+
+
+def settle_edits(run: BlockRun, policy, stop_ids, mask_id: int, masked_before, written, gen) -> torch.Tensor:
+    """The stopping rule and a block's end under token editing (docs/algorithms.md §8), after a stage 1
+    that wrote `written` [R, W] (commits and edits; `gen`: generated columns). A committed token may
+    still change, so a row stops when its step writes a stop token and the first stop token of the
+    block has nothing masked before it (LLaDA2's check), or when its block closes holding a stop
+    token. The block stays open while masks are left or the policy keeps editing
+    (`Policy.keeps_editing`). Returns the rows' masks [R, W]."""
+    blk = run.block()
+    masked = blk == mask_id
+    stopped, first = stopped_at(blk, masked, stop_ids, gen)
+    pending = run.pending
+    filling = masked_before.any(-1)
+    run.post = run.post + (pending & ~filling).long()
+    edited = (written & ~masked_before).any(-1)
+    more = masked[:, :run.win.block_length].any(-1) | policy.keeps_editing(run.step, filling, edited, run.post)
+    now = stopped & (written & torch.isin(blk, stop_ids)).any(-1)            # this step wrote a stop token
+    stop = pending & (now | (stopped & ~more))                                # or the block closes with one
+    run.stop_at = torch.where(stop, run.win.lo + first, run.stop_at)
+    run.pending = pending & ~stop & more
     return masked
 
 

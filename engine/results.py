@@ -76,7 +76,9 @@ def collect_results(batch, block_length: int, seconds, rows=None) -> list[Sequen
     only these rows (default all); `seconds`: one wall time for all, or one per row."""
     rows = list(range(batch.x.shape[0])) if rows is None else list(rows)
     idx = torch.tensor(rows, dtype=torch.long, device=batch.x.device)
-    x, start, length = batch.x[idx].cpu(), batch.gen_start[idx].tolist(), batch.gen_len[idx].tolist()
+    kept = batch.gen_len if batch.out_len is None else batch.out_len
+    x, start, length = batch.x[idx].cpu(), batch.gen_start[idx].tolist(), kept[idx].tolist()
+    lead = ((batch.gen_start[idx] - batch.prompt_width) % block_length).tolist()   # --align sequence: prompt in block 0
     calls, n_rows, stop_at = batch.calls[idx].tolist(), batch.rows[idx].tolist(), batch.stop_at[idx].tolist()
     c_call, c_step, c_src = batch.commit_call[idx].cpu(), batch.commit_step[idx].cpu(), batch.commit_source[idx].cpu()
     c_prob = batch.commit_prob[idx].cpu()
@@ -86,15 +88,16 @@ def collect_results(batch, block_length: int, seconds, rows=None) -> list[Sequen
     out = []
     for b in range(len(rows)):
         g0 = start[b]
-        n = stop_at[b] - g0 + 1 if stop_at[b] >= 0 else length[b]
+        stopped = 0 <= stop_at[b] - g0 < length[b]         # (a stop token past gen length is not kept)
+        n = stop_at[b] - g0 + 1 if stopped else length[b]
         span = slice(g0, g0 + n)
         ncall = calls[b]
         out.append(SequenceResult(
             token_ids=x[b, span].tolist(), calls=ncall, tokens=n, tpf=n / max(ncall, 1), seconds=secs[b],
-            rows_per_call=n_rows[b] / max(ncall, 1), stopped=stop_at[b] >= 0,
+            rows_per_call=n_rows[b] / max(ncall, 1), stopped=stopped,
             commit_call=c_call[b, span].tolist(), commit_step=c_step[b, span].tolist(),
             commit_source=c_src[b, span].tolist(), commit_prob=c_prob[b, span].tolist(),
-            commit_block=[i // block_length for i in range(n)],
+            commit_block=[(lead[b] + i) // block_length for i in range(n)],
             commit_top=None if c_top is None else _tops(c_top[b, span]),
             accepted_depth={d: int(c) for d, c in enumerate(depth_hist[b]) if c},
             draft_nodes={k: int(c) for k, c in enumerate(nodes_hist[b]) if c}))
@@ -115,9 +118,14 @@ def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]
     col = torch.arange(N, device=x.device)
     gen = (col >= batch.gen_start[:, None]) & (col < (batch.gen_start + batch.gen_len)[:, None])
     first_masked = torch.where(gen & (x == mask_id), col, N).min(-1).values
-    end = torch.minimum(first_masked, batch.gen_start + batch.gen_len)
+    kept = batch.gen_len if batch.out_len is None else batch.out_len
+    end = torch.minimum(first_masked, batch.gen_start + kept)
     end = torch.where(stop_at >= 0, torch.minimum(end, stop_at + 1), end)
-    return x, end - batch.gen_start
+    if run.post is not None:    # token editing: the open block's tokens may change until the block closes
+        open_rows = torch.zeros_like(stop_at, dtype=torch.bool)
+        open_rows[run.seqs] = run.pending
+        end = torch.where(open_rows, torch.minimum(end, batch.gen_start.clamp_min(run.win.lo)), end)
+    return x, (end - batch.gen_start).clamp_min(0)
 
 
 def final_pieces(batch, run, mask_id: int, sent: list[int]):

@@ -45,6 +45,8 @@ class Batch:
     commit_top: torch.Tensor | None = None   # [B, N, k, 2] float64 (--top-logprobs k): per position, the
                                              # (id, probability) of the k most likely tokens in the output
                                              # that committed it (ids exact in float64), most likely first
+    out_len: torch.Tensor | None = None      # [B] generated positions a result keeps (None: gen_len); fewer
+                                             # with --align sequence, whose last block runs past gen length
 
     @property
     def end(self) -> int:
@@ -58,7 +60,7 @@ class Batch:
                 ("commit_source", 0), ("commit_prob", 0.0), ("noise", 0.0), ("commit_top", 0.0))
 
     def _rows(self):
-        return ("gen_start", "gen_len", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
+        return ("gen_start", "gen_len", "out_len", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
                 "carry_conf", "carry_ok", "carry_step")
 
     def take(self, rows: torch.Tensor) -> "Batch":
@@ -148,33 +150,47 @@ class BlockRun:
     noise: torch.Tensor | None = None        # [S, W + ahead] a random policy's draw (Batch.noise)
     top: torch.Tensor | None = None          # [S, W, k, 2] the latest output's k most likely (id, prob) (--top-logprobs)
     commit_top: torch.Tensor | None = None   # [S, W, k, 2] as Batch.commit_top
+    post: torch.Tensor | None = None         # [S] token editing (Policy.edits): editing passes taken on the
+                                             # block after its last mask was filled; None without editing
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
 
 
 def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_length: int, depth: int,
-              nodes: int, device, top_logprobs: int = 0) -> Batch:
+              nodes: int, device, top_logprobs: int = 0, aligned: bool = False) -> Batch:
     """Prompts left-padded to one width, then `gen_length` masks (one length, or one per prompt:
-    shorter ones are right-padded); every statistic at zero (`commit_top` only with `top_logprobs`)."""
-    B, P = len(prompts), max(len(p) for p in prompts)
+    shorter ones are right-padded); every statistic at zero (`commit_top` only with `top_logprobs`).
+
+    `aligned` (--align sequence): blocks are counted from each sequence's first token. A row's
+    prompt then starts at a block boundary of the batch's grid, so the block holding its prompt's
+    end is a block of the grid too and opens at the cursor with the other rows' first blocks (its
+    prompt part is not masked, so never committed); each row generates to the end of the block
+    holding its last position, and its result keeps `gen_length` of them (`Batch.out_len`)."""
+    B, L = len(prompts), block_length
     lengths = [gen_length] * B if isinstance(gen_length, int) else list(gen_length)
-    G = max(lengths)
+    lead = [len(p) % L if aligned else 0 for p in prompts]                  # prompt tokens in the first block
+    P = max(len(p) - a for p, a in zip(prompts, lead))                      # the grid's first block column
+    decoded = [-(-(a + g) // L) * L - a if aligned else g for a, g in zip(lead, lengths)]
+    N = P + max(a + d for a, d in zip(lead, decoded))
     pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
-    x = torch.full((B, P + G), pad, dtype=torch.long, device=device)
-    valid = torch.zeros(B, P + G, dtype=torch.bool, device=device)
-    for b, (p, g) in enumerate(zip(prompts, lengths)):
-        x[b, P - len(p):P] = torch.tensor(p, device=device)
-        x[b, P:P + g] = mc.mask_token_id
-        valid[b, P - len(p):P + g] = True
+    x = torch.full((B, N), pad, dtype=torch.long, device=device)
+    valid = torch.zeros(B, N, dtype=torch.bool, device=device)
+    for b, (p, a, d) in enumerate(zip(prompts, lead, decoded)):
+        x[b, P + a - len(p):P + a] = torch.tensor(p, device=device)
+        x[b, P + a:P + a + d] = mc.mask_token_id
+        valid[b, P + a - len(p):P + a + d] = True
 
     def zeros(*shape, dtype=torch.long):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    return Batch(x=x, valid=valid, pos=position_ids(mc, valid), prompt_width=P, gen_start=zeros(B) + P,
-                 gen_len=torch.tensor(lengths, device=device), cursor=P, calls=zeros(B), rows=zeros(B),
-                 stop_at=zeros(B) - 1, commit_call=zeros(B, P + G) - 1, commit_step=zeros(B, P + G) - 1,
-                 commit_source=zeros(B, P + G), commit_prob=zeros(B, P + G, dtype=torch.float64), depth_hist=zeros(B, depth + 1), nodes_hist=zeros(B, nodes + 1),
+    return Batch(x=x, valid=valid, pos=position_ids(mc, valid), prompt_width=P,
+                 gen_start=torch.tensor(lead, device=device) + P,
+                 gen_len=torch.tensor(decoded, device=device), cursor=P, calls=zeros(B), rows=zeros(B),
+                 stop_at=zeros(B) - 1, commit_call=zeros(B, N) - 1, commit_step=zeros(B, N) - 1,
+                 commit_source=zeros(B, N), commit_prob=zeros(B, N, dtype=torch.float64),
+                 depth_hist=zeros(B, depth + 1), nodes_hist=zeros(B, nodes + 1),
                  carry_pred=zeros(B, block_length), carry_conf=zeros(B, block_length, dtype=torch.float32),
                  carry_ok=zeros(B, dtype=torch.bool), carry_step=zeros(B), pad_id=pad,
-                 commit_top=zeros(B, P + G, top_logprobs, 2, dtype=torch.float64) if top_logprobs else None)
+                 commit_top=zeros(B, N, top_logprobs, 2, dtype=torch.float64) if top_logprobs else None,
+                 out_len=torch.tensor(lengths, device=device))

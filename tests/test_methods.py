@@ -106,7 +106,7 @@ def test_toy_policy_through_bench_eval(toy, ckpt, tmp_path, capsys):
 
 def test_the_table_is_gone_with_the_entry():
     assert "topfrac" not in METHODS and "frac" not in OPTIONS
-    assert policy_methods() == ("greedy", "topk", "confidence", "localleap", "left", "random")
+    assert policy_methods() == ("greedy", "topk", "confidence", "localleap", "left", "random", "threshold")
 
 
 def test_options_that_do_not_apply_are_errors():
@@ -135,7 +135,8 @@ def test_every_option_is_described_and_taken_by_someone():
     for o in OPTIONS.values():
         assert o.help and (o.general or methods_taking(o.name)), o.name
     assert set(methods_taking("k")) == {"lopa", "ete", "fdm"}
-    assert set(methods_taking("threshold")) == {"confidence", "localleap", "left", "psd", "lopa", "ete", "fdm"}
+    assert set(methods_taking("threshold")) == {"confidence", "localleap", "left", "threshold", "psd", "lopa", "ete",
+                                                "fdm"}
 
 
 def test_decode_config_attributes_are_the_option_table():
