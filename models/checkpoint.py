@@ -51,7 +51,8 @@ _TOP_NAMES = {
 }
 _TOP_NAMES["llada2"] = {"tok_embeddings.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
                         "output.weight": "lm_head.weight"}
-_LAYER_PREFIX = {"llada": "model.transformer.blocks.{i}.", "qwen": "model.layers.{i}.", "llada2": "model.layers.{i}."}
+_LAYER_PREFIX = {"llada": "model.transformer.blocks.{i}.", "qwen": "model.layers.{i}.", "llada2": "model.layers.{i}.",
+                 "diffusion_gemma": ""}
 # buffers some exporters write that carry no weights
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # the router's parameters stay float32 whatever the load dtype (as SGLang holds them): a sigmoid
@@ -85,8 +86,44 @@ def _llada2_layer_names(config: ModelConfig, i: int) -> dict[str, str]:
     return names
 
 
+# DiffusionGemma (DiffusionGemmaForBlockDiffusion): the decoder holds the text weights, which the encoder
+# shares (transformers saves them once); only the per-layer output scale is stored for both modes
+_DG = "model.decoder."
+_TOP_NAMES["diffusion_gemma"] = {
+    "tok_embeddings.weight": _DG + "embed_tokens.weight", "norm.weight": _DG + "norm.weight",
+    "self_cond.norm.weight": _DG + "self_conditioning.pre_norm.weight",
+    **{f"self_cond.mlp.{k}.weight": f"{_DG}self_conditioning.{v}.weight" for k, v in _SWIGLU.items()}}
+# the vision tower (and its projection into the text model) of a DiffusionGemma checkpoint: never loaded
+_SKIPPED_PREFIXES = {"diffusion_gemma": ("model.encoder.vision_tower.", "model.encoder.embed_vision.")}
+
+
+def _dg_layer_names(config: ModelConfig, i: int) -> dict[str, str]:
+    """DiffusionGemma key -> full checkpoint name for layer i. `moe.w_gate_up` names no parameter:
+    the checkpoint's experts.gate_up_proj [E, 2I, H] (gate rows, then up), which `_unpack` splits."""
+    pre = f"{_DG}layers.{i}."
+    names = {"attn_norm.weight": "input_layernorm.weight", "post_attn_norm.weight": "post_attention_layernorm.weight",
+             "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+             "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+             "mlp_norm.weight": "post_feedforward_layernorm_1.weight",
+             "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
+             "moe.in_norm.weight": "pre_feedforward_layernorm_2.weight",
+             "moe.out_norm.weight": "post_feedforward_layernorm_2.weight",
+             "moe.router.weight": "router.proj.weight", "moe.router_scale": "router.scale",
+             "moe.expert_scale": "router.per_expert_scale", "moe.w_gate_up": "experts.gate_up_proj",
+             "moe.w_down": "experts.down_proj", "dec_scalar": "layer_scalar",
+             **{f"mlp.{k}.weight": f"mlp.{v}.weight" for k, v in _SWIGLU.items()}}
+    projections = ("q", "k", "o") if config.layer(i).k_is_v else ("q", "k", "v", "o")
+    for w in projections:
+        names[f"attn.w{w}.weight"] = f"self_attn.{w}_proj.weight"
+        if config.qkv_bias:
+            names[f"attn.w{w}.bias"] = f"self_attn.{w}_proj.bias"
+    out = {k: pre + v for k, v in names.items()}
+    out["enc_scalar"] = f"model.encoder.language_model.layers.{i}.layer_scalar"
+    return out
+
+
 def _layout(config: ModelConfig) -> str:
-    return config.family if config.family in ("llada", "llada2") else "qwen"
+    return config.family if config.family in ("llada", "llada2", "diffusion_gemma") else "qwen"
 
 
 def checkpoint_names(config: ModelConfig) -> dict[str, str]:
@@ -103,6 +140,9 @@ def checkpoint_names(config: ModelConfig) -> dict[str, str]:
         if lay == "llada2":
             names.update({f"layers.{i}.{k}": pre + v for k, v in _llada2_layer_names(config, i).items()})
             continue
+        if lay == "diffusion_gemma":
+            names.update({f"layers.{i}.{k}": v for k, v in _dg_layer_names(config, i).items()})
+            continue
         for k, v in _LAYER_NAMES[lay].items():
             if k.endswith(".weight"):
                 names[f"layers.{i}.{k}"] = pre + v
@@ -117,7 +157,13 @@ def checkpoint_names(config: ModelConfig) -> dict[str, str]:
 def _unpack(config: ModelConfig, state: dict) -> dict:
     """Tensors keyed as `checkpoint_names` keys them -> the model's parameters: a fused q/k/v is
     split into views (no copy), each layer's per-expert tensors are stacked into [E, ...] (one
-    layer's copy at a time; the per-expert tensors are released as they are stacked)."""
+    layer's copy at a time; the per-expert tensors are released as they are stacked). DiffusionGemma's
+    fused expert gate/up is split into two views."""
+    if config.family == "diffusion_gemma":
+        for i in range(config.num_layers):
+            fused = state.pop(f"layers.{i}.moe.w_gate_up")
+            state[f"layers.{i}.moe.w_gate"], state[f"layers.{i}.moe.w_up"] = fused.chunk(2, dim=1)
+        return state
     if config.family != "llada2":
         return state
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -138,6 +184,12 @@ def _unpack(config: ModelConfig, state: dict) -> dict:
 def _pack(config: ModelConfig, params: dict) -> dict:
     """The model's parameters -> tensors keyed as `checkpoint_names` keys them (`_unpack` undone;
     each expert's tensors are copies, as a safetensors file holds no shared storage)."""
+    if config.family == "diffusion_gemma":
+        out = dict(params)
+        for i in range(config.num_layers):
+            out[f"layers.{i}.moe.w_gate_up"] = torch.cat((out.pop(f"layers.{i}.moe.w_gate"),
+                                                          out.pop(f"layers.{i}.moe.w_up")), dim=1)
+        return out
     if config.family != "llada2":
         return params
     out = dict(params)
@@ -386,6 +438,10 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
     world = tp.world if tp is not None else 1
     check_divisible(config, world)
     files = _tensor_files(path)
+    skipped = [name for name in files if name.startswith(_SKIPPED_PREFIXES.get(config.family, ()))]
+    if skipped:
+        print(f"{path}: not loading the vision tower ({len(skipped)} tensors under "
+              f"{' and '.join(_SKIPPED_PREFIXES[config.family])}): this engine runs the text model", file=sys.stderr)
     check_fits(config, dtype, device, str(path / "config.json"),
                sum(check_safetensors(f) for f in set(files.values())), world)
     with torch.device("meta"):
@@ -413,8 +469,9 @@ def _shards(config: ModelConfig, path: Path, files: dict[str, Path] | None = Non
     expected = checkpoint_names(config)
     files = _tensor_files(path) if files is None else files
     known = set(expected.values())
+    skipped = _SKIPPED_PREFIXES.get(config.family, ())
     for name in files:
-        if name not in known and not name.endswith(_IGNORED_SUFFIXES):
+        if name not in known and not name.endswith(_IGNORED_SUFFIXES) and not name.startswith(skipped):
             raise CheckpointError(f"unexpected tensor {name} in {path} for a {config.family} model")
     missing = [v for v in expected.values() if v not in files]
     if missing:
@@ -501,7 +558,7 @@ def init_random(config: ModelConfig, seed: int = 0, std: float = 0.02, dtype: to
     model = Transformer(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "scalar", "_scale")):      # scales near 1
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g) * (1.0 if p.dim() > 1 else 5.0))

@@ -1,7 +1,7 @@
 """Model configuration: one dataclass whose fields are the family differences.
 
 A config is read from a Hugging Face `config.json` of one of the supported families (LLaDA,
-Dream, openPangu-Diffusion, LLaDA2.x; docs/algorithms.md §7, docs/models.md) and can be written
+Dream, openPangu-Diffusion, LLaDA2.x, DiffusionGemma; docs/algorithms.md §7, docs/models.md) and can be written
 back in that family's own layout, so tests can build real-layout checkpoints with random weights.
 """
 from __future__ import annotations
@@ -16,8 +16,10 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
-FAMILIES = ("llada", "dream", "pangu", "llada2")
-ATTENTION_MODES = ("bidirectional", "context_causal", "block_causal")
+FAMILIES = ("llada", "dream", "pangu", "llada2", "diffusion_gemma")
+ATTENTION_MODES = ("bidirectional", "context_causal", "block_causal", "causal")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 # LLaDA2's attention block when neither config.json nor generation_config.json names one: the
 # default block_length of the authors' generate() and of diffusers' LLaDA2Pipeline
 LLADA2_BLOCK = 32
@@ -34,10 +36,24 @@ def family_of(model_type: str) -> str:
         return "pangu"
     if t.startswith("llada2"):
         return "llada2"
+    if t == "diffusion_gemma":
+        return "diffusion_gemma"
     raise CheckpointError(
         f"unknown model_type {model_type!r}; supported: llada, Dream, PanguEmbedded (openPangu-Diffusion), "
-        f"llada2_moe (LLaDA2.x)"
+        f"llada2_moe (LLaDA2.x), diffusion_gemma (DiffusionGemma)"
     )
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention shape (`ModelConfig.layer`): most families have one for every layer;
+    DiffusionGemma's sliding-window and full-attention layers differ in all of these."""
+
+    window: int | None          # a query sees keys fewer than this many positions back (None: no window)
+    head_dim: int
+    kv_heads: int
+    rope: tuple                 # (rotary dim, θ, turned pairs or None): the arguments of transformer.rope_cos_sin
+    k_is_v: bool                # no v projection: v is the k projection (before k's norm and RoPE)
 
 
 @dataclass
@@ -79,6 +95,24 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True            # the k routing weights are renormalised to sum to 1 (then scaled)
     expert_bias: bool = False              # a per-expert score bias that steers the choice, not the weights
+    moe_router: str = "sigmoid"            # "sigmoid": LLaDA2's grouped router; "softmax": Gemma 4's, experts
+    #                                        beside a dense MLP (every layer), each with its own norms
+    # DiffusionGemma (the Gemma 4 text backbone); the defaults are the other families' model
+    hidden_act: str = "silu"               # the gated MLPs' activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    sandwich_norm: bool = False            # an RMSNorm on the attention's and the feed-forward's outputs too
+    embedding_scale: float = 1.0           # token embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    logit_softcap: float | None = None     # logits = cap * tanh(logits / cap), in fp32
+    attention_scale: float | None = None   # the q.k scale (None: 1/sqrt(head_dim); Gemma: 1, QK-norm sets it)
+    v_norm: bool = False                   # an RMSNorm without weight over each head's v
+    layer_types: tuple[str, ...] = ()      # "sliding_attention" / "full_attention" per layer (empty: all full)
+    sliding_window: int | None = None      # a sliding layer's query sees keys fewer than this many positions back
+    full_head_dim: int | None = None       # full-attention layers' head dim and kv heads when layer_types is set
+    full_kv_heads: int | None = None
+    full_rope_theta: float | None = None   # full-attention layers' RoPE θ and Gemma's proportional RoPE: the
+    full_rotary_fraction: float = 1.0      # first fraction of the head's frequencies turn, the rest are 0
+    full_k_is_v: bool = False              # full-attention layers have no v projection: v is the k projection
+    encoder_decoder: bool = False          # an encoder mode (causal, writes KV) and a decoder mode (bidirectional
+    #                                        canvas over the encoder's KV, self-conditioning input), one set of weights
     # gen_length / block_length suggested by generation_config.json: the CLI's, server's and
     # lm-eval adapter's default canvas sizes when the user gives none
     generation_defaults: dict = field(default_factory=dict, compare=False)
@@ -105,6 +139,32 @@ class ModelConfig:
             raise CheckpointError("attention_block (the block size) is set exactly when attention is block_causal")
         if self.attention_block is not None and self.attention_block <= 0:
             raise CheckpointError(f"attention_block must be a positive integer, got {self.attention_block!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise CheckpointError(f"unknown hidden_act {self.hidden_act!r}; expected one of {HIDDEN_ACTS}")
+        if self.moe_router not in ("sigmoid", "softmax"):
+            raise CheckpointError(f"unknown moe_router {self.moe_router!r}; expected 'sigmoid' or 'softmax'")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise CheckpointError(f"layer_types must name one of {LAYER_TYPES} for each of the {self.num_layers} "
+                                      f"layers, got {list(self.layer_types)}")
+            if "sliding_attention" in self.layer_types and not (isinstance(self.sliding_window, int)
+                                                                and self.sliding_window > 0):
+                raise CheckpointError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+            for name in ("full_head_dim", "full_kv_heads"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise CheckpointError(f"{name} must be a positive integer when layer_types is set, got {v!r}")
+            if self.full_head_dim % 2:
+                raise CheckpointError(f"full_head_dim {self.full_head_dim} is odd; rotary embeddings need it even")
+            if self.num_heads % self.full_kv_heads:
+                raise CheckpointError(f"num_heads {self.num_heads} is not a multiple of full_kv_heads "
+                                      f"{self.full_kv_heads}")
+        if not 0 < self.full_rotary_fraction <= 1:
+            raise CheckpointError(f"full_rotary_fraction must be in (0, 1], got {self.full_rotary_fraction!r}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise CheckpointError(f"logit_softcap must be positive or None, got {self.logit_softcap!r}")
+        if self.encoder_decoder and (not self.num_experts or self.moe_router != "softmax"):
+            raise CheckpointError("an encoder-decoder (DiffusionGemma) model has the softmax-routed experts")
         if self.num_experts:
             _check_moe(self.num_experts, self.num_experts_per_tok, self.n_group, self.topk_group,
                        ("num_experts", "num_experts_per_tok", "n_group", "topk_group"), "")
@@ -141,6 +201,19 @@ class ModelConfig:
                         position_mode="cumsum", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_intermediate_size=32, first_dense_layers=1, n_group=4, topk_group=2,
                         routed_scaling_factor=2.5, norm_topk_prob=True, expert_bias=True),
+            # sliding, sliding, full (window 4; the full layer: head dim 32, one kv head, proportional RoPE on
+            # a quarter of it, v = k); every layer a dense GeGLU beside 4 experts, 2 a token; no mask token
+            diffusion_gemma=dict(family="diffusion_gemma", model_type="diffusion_gemma", rope_theta=1e4, rms_eps=1e-6,
+                                 num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                                 attention="causal", position_mode="absolute", tie_embeddings=True,
+                                 mask_token_id=None, eos_token_id=1, pad_token_id=0, qk_norm=True, v_norm=True,
+                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_router="softmax",
+                                 hidden_act="gelu_tanh", sandwich_norm=True, embedding_scale=64 ** 0.5,
+                                 logit_softcap=30.0, attention_scale=1.0,
+                                 layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                                 sliding_window=4, full_head_dim=32, full_kv_heads=1, full_rope_theta=1e6,
+                                 full_rotary_fraction=0.25, full_k_is_v=True, encoder_decoder=True,
+                                 generation_defaults={"block_length": 8}),
         )[family]
         base.update(overrides)
         return cls(**base)
@@ -160,6 +233,10 @@ class ModelConfig:
         except CheckpointError as e:
             raise CheckpointError(f"{source}: {e}") from None
         r.what = f" (of a {family} model)"
+        top = r
+        if family == "diffusion_gemma":   # the text model's fields are in text_config; the rest is the vision tower
+            r = _Fields(raw.get("text_config"), f"{source} text_config")
+            r.what = top.what
         kw = _FROM_HF[family](r, family)
         _check_rope_scaling(r)
         vocab, vocab_key = kw["vocab_size"], _VOCAB_KEY[family](raw)
@@ -170,12 +247,18 @@ class ModelConfig:
         mask_from, eos_from = (g if family == "llada2" and g is not None and raw.get(key) is None
                                and generation_config.get(key) is not None else r
                                for key in ("mask_token_id", "eos_token_id"))
-        mask = mask_from.token_id("mask_token_id")
+        # DiffusionGemma starts its canvas from random tokens: a mask id is optional (None when absent)
+        if family == "diffusion_gemma":    # text_config, the top level or generation_config.json; else None
+            mask_from = next((f for f in (r, top, g) if f is not None and f.raw.get("mask_token_id") is not None), r)
+            mask = mask_from.token_id("mask_token_id") if mask_from.raw.get("mask_token_id") is not None else None
+        else:
+            mask = mask_from.token_id("mask_token_id")
         eos_list = eos_from.token_ids("eos_token_id", required=True)
         pad_list = r.token_ids("pad_token_id")
         extra_stops = {key: r.token_ids(key) for key in ("eot_token_id", "stop_token_ids")}
         stops = eos_list + [t for ids in extra_stops.values() for t in ids]
-        for key, ids, f in (("mask_token_id", [mask], mask_from), ("eos_token_id", eos_list, eos_from),
+        for key, ids, f in (("mask_token_id", [mask] if mask is not None else [], mask_from),
+                            ("eos_token_id", eos_list, eos_from),
                             ("pad_token_id", pad_list[:1], r), *((k, v, r) for k, v in extra_stops.items())):
             for t in ids:
                 if t >= vocab:
@@ -193,6 +276,9 @@ class ModelConfig:
             stops += gen_eos
         if family == "llada2" and kw["attention_block"] is None:
             kw["attention_block"] = gen_defaults.get("block_length", LLADA2_BLOCK)
+        if family == "diffusion_gemma":     # the canvas (block) length is the engine's default block
+            _dg_top_level(top)
+            gen_defaults.setdefault("block_length", top.pos_int("canvas_length", 256))
         return cls(
             family=family,
             model_type=model_type,
@@ -217,6 +303,8 @@ class ModelConfig:
 
     def to_hf(self) -> dict:
         """This config in its family's own config.json layout (the inverse of `from_hf`)."""
+        if self.family == "diffusion_gemma":
+            return _diffusion_gemma_to(self)
         out = dict(self.extra)
         out.update(_TO_HF[self.family](self))
         out.update(model_type=self.model_type, mask_token_id=self.mask_token_id, eos_token_id=self.eos_token_id)
@@ -228,16 +316,42 @@ class ModelConfig:
         return out
 
     def parameter_count(self) -> int:
-        """The parameters of a model of this config (exact: the Transformer's own tensors)."""
-        d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        """The parameters of a model of this config (exact: the Transformer's own tensors). Counted
+        per kind of layer, never layer by layer (an absurd layer count must fail fast, not loop)."""
+        d = self.hidden_size
         dense = 3 * d * self.intermediate_size
-        moe = self.num_experts * (d + 3 * d * self.moe_intermediate_size + (1 if self.expert_bias else 0)) \
-            + 3 * d * self.shared_intermediate_size
+
+        def attention(a: LayerAttention) -> int:
+            q, kv, n_kv = self.num_heads * a.head_dim, a.kv_heads * a.head_dim, 1 if a.k_is_v else 2
+            return (d * q + n_kv * d * kv + q * d + (q + n_kv * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
+                    + (2 * a.head_dim if self.qk_norm else 0))
+
+        if self.layer_types:
+            first = {t: self.layer_types.index(t) for t in set(self.layer_types)}
+            attn = sum(self.layer_types.count(t) * attention(self.layer(i)) for t, i in first.items())
+        else:
+            attn = self.num_layers * attention(self.layer(0))
+        if self.moe_router == "softmax":      # a dense MLP + its norm, experts with two norms, the router's scales
+            moe = dense + d + self.num_experts * (d + 3 * d * self.moe_intermediate_size + 1) + 3 * d
+        else:
+            moe = self.num_experts * (d + 3 * d * self.moe_intermediate_size + (1 if self.expert_bias else 0)) \
+                + 3 * d * self.shared_intermediate_size
         n_moe = self.moe_layers()
-        blocks = self.num_layers * (attn + 2 * d) + (self.num_layers - n_moe) * dense + n_moe * moe
-        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + blocks + d
+        per_layer = (4 if self.sandwich_norm else 2) * d + (2 if self.encoder_decoder else 0)
+        blocks = attn + self.num_layers * per_layer + (self.num_layers - n_moe) * dense + n_moe * moe
+        self_cond = d + dense if self.encoder_decoder else 0
+        return self.vocab_size * d * (1 if self.tie_embeddings else 2) + blocks + self_cond + d
+
+    def layer(self, i: int) -> LayerAttention:
+        """Layer i's attention shape: its window, head dim, kv heads, RoPE and v projection."""
+        if self.layer_types and self.layer_types[i] == "full_attention":
+            turned = int(self.full_rotary_fraction * self.full_head_dim // 2)
+            return LayerAttention(None, self.full_head_dim, self.full_kv_heads,
+                                  (self.full_head_dim, self.full_rope_theta or self.rope_theta, turned),
+                                  self.full_k_is_v)
+        window = self.sliding_window if self.layer_types else None
+        return LayerAttention(window, self.head_dim, self.num_kv_heads,
+                              (self.rotary_dim or self.head_dim, self.rope_theta, None), False)
 
     def moe_layers(self) -> int:
         """How many layers have the mixture-of-experts feed-forward (the last ones)."""
@@ -395,6 +509,148 @@ def _llada2_to(c: ModelConfig) -> dict:
     return out
 
 
+# DiffusionGemma: what transformers' DiffusionGemmaTextConfig fills in when a field is absent
+_DG_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+_DG_LAYER_KEYS = ("head_dim", "num_key_value_heads")       # what a per_layer_config entry may override
+_MAX_DG_LAYERS = 1 << 16
+
+
+def _diffusion_gemma_from(r: "_Fields", family: str) -> dict:
+    """DiffusionGemma (`diffusion_gemma`, DiffusionGemmaForBlockDiffusion): the Gemma 4 MoE text
+    backbone, read from `text_config` with the defaults of transformers' DiffusionGemmaTextConfig."""
+    d, h = r.pos_int("hidden_size", 2304), r.pos_int("num_attention_heads", 8)
+    kv, hd = r.pos_int("num_key_value_heads", 4), r.pos_int("head_dim", 256)
+    _check_heads(r, ("hidden_size", d), ("num_attention_heads", h), ("num_key_value_heads", kv), hd)
+    n_layers = r.pos_int("num_hidden_layers", 30)
+    act = r.string("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"{r.source}: hidden_activation {act!r} is not supported by this engine "
+                              f"(DiffusionGemma's MLPs are GeGLU: 'gelu_pytorch_tanh')")
+    bidi = r.raw.get("use_bidirectional_attention")
+    if bidi not in (None, "vision"):       # "vision" only changes image tokens, which this engine never sees
+        raise CheckpointError(f"{r.source}: use_bidirectional_attention {_show(bidi)} is not supported by this "
+                              f"engine (its encoder is causal over text: null or 'vision')")
+    if n_layers > _MAX_DG_LAYERS:         # a per-layer list of that many is built below: fail before it
+        raise CheckpointError(f"{r.source}: num_hidden_layers {n_layers} is more than this engine builds "
+                              f"({_MAX_DG_LAYERS})")
+    types = r.raw.get("layer_types")
+    if types is None:                      # transformers' default: five sliding layers, then a full one
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
+        r.fail("layer_types", f"a list of {n_layers} of {LAYER_TYPES}", types)
+    types = types[:-1] + ["full_attention"]          # transformers forces the last layer to full attention
+    rope = r.raw.get("rope_parameters")
+    rope = _DG_ROPE if rope is None else rope
+    if not isinstance(rope, dict):
+        r.fail("rope_parameters", "an object per layer type", rope)
+    ropes = {}
+    for kind in set(types):
+        p = rope.get(kind, _DG_ROPE[kind])
+        f = _Fields(p, f"{r.source} rope_parameters[{kind!r}]")
+        rope_type = f.string("rope_type", "default")
+        theta = f.pos_num("rope_theta", _DG_ROPE[kind]["rope_theta"])
+        fraction = f.pos_num("partial_rotary_factor", 1.0)
+        if f.pos_num("factor", 1.0) != 1.0:
+            raise CheckpointError(f"{f.source}: factor {p['factor']} is not supported by this engine (it "
+                                  f"implements unscaled RoPE)")
+        if (kind, rope_type) not in (("sliding_attention", "default"), ("full_attention", "proportional"),
+                                     ("full_attention", "default")) or (rope_type == "default" and fraction != 1):
+            raise CheckpointError(f"{f.source}: rope_type {rope_type!r} with partial_rotary_factor {fraction:g} is "
+                                  f"not supported by this engine for {kind} layers")
+        if fraction > 1:
+            f.fail("partial_rotary_factor", "at most 1", p["partial_rotary_factor"])
+        ropes[kind] = (theta, fraction)
+    # the full-attention layers' shape: per_layer_config (as transformers writes it) or the Gemma 4 fields
+    full_hd, full_kv = r.pos_int("global_head_dim", 512), r.pos_int("num_global_key_value_heads", kv)
+    per_layer = r.raw.get("per_layer_config")
+    if per_layer is not None:
+        if not isinstance(per_layer, dict):
+            r.fail("per_layer_config", "an object of layer index to overrides", per_layer)
+        full_hd, full_kv = hd, kv
+        seen = {}
+        for key, over in per_layer.items():
+            f = _Fields(over, f"{r.source} per_layer_config[{key!r}]")
+            if not (isinstance(key, str) and key.isdigit() and int(key) < n_layers):
+                raise CheckpointError(f"{r.source}: per_layer_config names layer {key!r}; the model has {n_layers}")
+            extra = sorted(set(over) - set(_DG_LAYER_KEYS))
+            if extra:
+                raise CheckpointError(f"{f.source}: overriding {extra[0]!r} is not supported by this engine (only "
+                                      f"{', '.join(_DG_LAYER_KEYS)})")
+            seen[int(key)] = (f.pos_int("head_dim", hd), f.pos_int("num_key_value_heads", kv))
+        shapes = {seen.get(i, (hd, kv)) for i, t in enumerate(types) if t == "full_attention"}
+        if any(i in seen and seen[i] != (hd, kv) for i, t in enumerate(types) if t == "sliding_attention") \
+                or len(shapes) != 1:
+            raise CheckpointError(f"{r.source}: per_layer_config must give every full_attention layer the same "
+                                  f"head_dim and num_key_value_heads and leave sliding layers alone (this engine has "
+                                  f"one shape per layer type)")
+        full_hd, full_kv = shapes.pop()
+    _check_heads(r, ("hidden_size", d), ("num_attention_heads", h), ("the full layers' num_key_value_heads", full_kv),
+                 full_hd)
+    if r.flag("attention_bias", False):   # transformers ties the encoder's weights to the decoder's, not biases
+        raise CheckpointError(f"{r.source}: attention_bias=true is not supported by this engine (transformers keeps "
+                              f"separate encoder and decoder biases, and this engine runs one backbone; Gemma 4 "
+                              f"checkpoints have none)")
+    experts, k = r.pos_int("num_experts"), r.pos_int("top_k_experts")
+    _check_moe(experts, k, 1, 1, ("num_experts", "top_k_experts", "n_group", "topk_group"), f"{r.source}: ")
+    # absent: transformers' 30.0; null: no capping (transformers would fail on it)
+    cap = r.pos_num("final_logit_softcapping", 30.0) if r.raw.get("final_logit_softcapping", 0) is not None else None
+    full = ropes.get("full_attention", (1e6, 1.0))
+    return dict(
+        vocab_size=r.pos_int("vocab_size", 262_144), hidden_size=d, intermediate_size=r.pos_int("intermediate_size", 9216),
+        num_layers=n_layers, num_heads=h, num_kv_heads=kv, head_dim=hd,
+        rope_theta=ropes.get("sliding_attention", (1e4, 1.0))[0], rms_eps=r.pos_num("rms_norm_eps", 1e-6),
+        qkv_bias=False, o_bias=False, logit_shift=0,
+        attention="causal", tie_embeddings=True, max_length=r.pos_int("max_position_embeddings", 131_072),
+        position_mode="absolute", qk_norm=True, v_norm=True, num_experts=experts,
+        num_experts_per_tok=k, moe_intermediate_size=r.pos_int("moe_intermediate_size"),
+        n_group=1, topk_group=1, moe_router="softmax", hidden_act="gelu_tanh", sandwich_norm=True,
+        embedding_scale=d ** 0.5, logit_softcap=cap, attention_scale=1.0, layer_types=tuple(types),
+        sliding_window=r.pos_int("sliding_window", 512), full_head_dim=full_hd, full_kv_heads=full_kv,
+        full_rope_theta=full[0], full_rotary_fraction=full[1], full_k_is_v=True, encoder_decoder=True,
+    )
+
+
+def _dg_top_level(top: "_Fields") -> None:
+    """DiffusionGemma's top-level fields the text model depends on."""
+    if not top.flag("tie_word_embeddings", True):
+        raise CheckpointError(f"{top.source}: tie_word_embeddings=false unties the encoder from the decoder; this "
+                              f"engine runs one backbone in both modes (shared weights)")
+
+
+def _diffusion_gemma_to(c: ModelConfig) -> dict:
+    out = dict(c.extra)
+    text = dict(out.get("text_config") or {})
+    text.pop("per_layer_config", None)
+    text.update(
+        model_type="diffusion_gemma_text", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, global_head_dim=c.full_head_dim,
+        num_global_key_value_heads=c.full_kv_heads, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=c.max_length, rms_norm_eps=c.rms_eps, attention_bias=c.qkv_bias,
+        sliding_window=c.sliding_window, layer_types=list(c.layer_types), final_logit_softcapping=c.logit_softcap,
+        num_experts=c.num_experts, top_k_experts=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": c.full_rope_theta,
+                                            "partial_rotary_factor": c.full_rotary_fraction}},
+        tie_word_embeddings=True, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+    )
+    if c.mask_token_id is not None:
+        text["mask_token_id"] = c.mask_token_id
+    extra_stops = [s for s in c.stop_token_ids if s != c.eos_token_id]
+    if extra_stops:
+        text["eot_token_id"] = extra_stops[0] if len(extra_stops) == 1 else extra_stops
+    out.update(architectures=["DiffusionGemmaForBlockDiffusion"], model_type=c.model_type, text_config=text,
+               tie_word_embeddings=True)
+    out.setdefault("canvas_length", c.generation_defaults.get("block_length", 256))
+    # a vision tower as small as transformers allows: the engine never loads one, and a reader that builds
+    # the whole model (transformers) should not build Gemma 4's real one around a tiny text model
+    out.setdefault("vision_config", dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                         head_dim=8))
+    return out
+
+
 def _check_moe(experts: int, k: int, n_group: int, topk_group: int, names: tuple, where: str) -> None:
     """Grouped top-k routing must be able to choose: equal groups, topk_group of them, and enough
     experts inside the chosen groups for k (each group is ranked by the sum of its top two scores,
@@ -415,10 +671,12 @@ def _check_moe(experts: int, k: int, n_group: int, topk_group: int, names: tuple
                               f"two scores, so each needs at least two")
 
 
-_FROM_HF = {"llada": _llada_from, "dream": _qwen_like_from, "pangu": _qwen_like_from, "llada2": _llada2_from}
+_FROM_HF = {"llada": _llada_from, "dream": _qwen_like_from, "pangu": _qwen_like_from, "llada2": _llada2_from,
+            "diffusion_gemma": _diffusion_gemma_from}
 # the config.json field that sets the number of embedding rows, for messages
 _VOCAB_KEY = {"llada": lambda raw: "embedding_size" if raw.get("embedding_size") else "vocab_size",
-              "dream": lambda raw: "vocab_size", "pangu": lambda raw: "vocab_size", "llada2": lambda raw: "vocab_size"}
+              "dream": lambda raw: "vocab_size", "pangu": lambda raw: "vocab_size", "llada2": lambda raw: "vocab_size",
+              "diffusion_gemma": lambda raw: "text_config vocab_size"}
 _TO_HF = {"llada": _llada_to, "dream": _qwen_like_to, "pangu": _qwen_like_to, "llada2": _llada2_to}
 
 

@@ -1,7 +1,7 @@
 """Small real-layout checkpoint directories with random weights: for tests, and for trying the
 engine or an integration without any real weights.
 
-    python -m models.random_checkpoint OUT_DIR [--family llada|dream|pangu|llada2] [--seed N]
+    python -m models.random_checkpoint OUT_DIR [--family llada|dream|pangu|llada2|diffusion_gemma] [--seed N]
 
 writes config.json, model.safetensors, tokenizer.json (word-level: word `t<i>` is token i) and a
 tokenizer_config.json with a chat template, in the chosen family's real layout.
@@ -55,6 +55,7 @@ def make_checkpoint(path: Path, family: str = "llada", seed: int = 0, std: float
     path = Path(path)
     save_checkpoint(model, path, shard_bytes=shard_bytes)
     specials = {cfg.mask_token_id: "<|mask|>", cfg.eos_token_id: "<|eos|>"}
+    specials.pop(None, None)            # DiffusionGemma has no mask token (its canvas starts from random tokens)
     make_tokenizer(path, tokenizer_size or cfg.vocab_size, specials)
     (path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": "{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}<|assistant|>"}))

@@ -1,16 +1,21 @@
-"""One config-driven transformer for LLaDA, Dream, openPangu-Diffusion and LLaDA2.x.
+"""One config-driven transformer for LLaDA, Dream, openPangu-Diffusion, LLaDA2.x and DiffusionGemma.
 
 The families differ only in config fields (docs/algorithms.md §7, docs/models.md): q/k/v and o
 biases, GQA, RoPE θ, RMS eps, logit shift, attention mode (bidirectional, context-causal or
 block-causal), position ids with left padding; LLaDA2 adds QK-norm, RoPE on part of each head and a
 mixture-of-experts feed-forward (sigmoid router with an expert-score bias, grouped top-k, shared
-experts; the experts run in `psd_kernels.moe`). The forward takes an explicit boolean attention
+experts; the experts run in `psd_kernels.moe`). DiffusionGemma (the Gemma 4 text backbone) adds
+sliding-window and full-attention layers of different shapes, v-norm, sandwich norms, scaled
+embeddings, logit soft-capping, softmax-routed GeGLU experts beside a dense MLP, and two call modes
+of the same weights: encoder (causal, writes KV) and decoder (a bidirectional canvas over the
+encoder's KV, with the self-conditioning input). The forward takes an explicit boolean attention
 mask for the tokens it runs and, optionally, a KV cache of other canvas positions; it returns
 logits only for the query slice the caller asks for, because the engine needs predictions for one
 block, not the whole canvas.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -22,22 +27,27 @@ from .parallel import TensorParallel, check_divisible, row_parallel
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, scale: bool = True):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None    # Gemma's v-norm has no weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # statistics in fp32 whatever the weight dtype, as the reference implementations do
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return x32.to(x.dtype) if self.weight is None else self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, turned: int | None = None):
     """cos/sin [R, 1, T, D] for integer positions [R, T] (rotate-half convention); `head_dim` is
-    the rotary dimension D, which may be only the first part of a head (partial rotary)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
+    the rotary dimension D, which may be only the first part of a head (partial rotary). With
+    `turned` (Gemma's proportional RoPE) only the first `turned` of the D/2 frequency pairs turn,
+    at the frequencies of the whole head; the rest have frequency 0 (cos 1, sin 0: they pass)."""
+    n = head_dim // 2 if turned is None else turned
+    inv = 1.0 / (theta ** (torch.arange(0, 2 * n, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
+    if n < head_dim // 2:
+        inv = torch.cat((inv, inv.new_zeros(head_dim // 2 - n)))
     f = pos.float()[..., None] * inv                      # [R, T, D/2]
     emb = torch.cat((f, f), dim=-1)[:, None]              # [R, 1, T, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -71,6 +81,8 @@ class KVCache:
               than the batch's longest has padding): the own mask is applied, not skipped.
     plan:     the `psd_kernels.RowPlan` of row_map, made once per call when the cache is bound
               to the call's rows (not per layer); every layer's attention reads it.
+    positions: [Bc, S] int64 RoPE positions of the cached keys, or None; needed only by models
+              with sliding-window layers (DiffusionGemma), whose windows count positions.
     """
 
     layers: list
@@ -78,6 +90,7 @@ class KVCache:
     row_map: torch.Tensor | None = None
     plan: object = field(default=None, repr=False, compare=False)
     own_masked: bool = False
+    positions: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.row_map is not None and self.plan is None:
@@ -90,10 +103,11 @@ class KVCache:
         return self.key_mask.shape[1]
 
     def for_rows(self, row_map: torch.Tensor | None, own_masked: bool = False) -> "KVCache":
-        return KVCache(self.layers, self.key_mask, row_map, own_masked=own_masked)
+        return KVCache(self.layers, self.key_mask, row_map, own_masked=own_masked, positions=self.positions)
 
 
-def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = None, all_own: bool = False):
+def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = None, all_own: bool = False,
+           scale: float | None = None, cache_mask: torch.Tensor | None = None):
     """Attention of q [R, H, T, D] over own keys [R, Hkv, T, D] (mask [R, 1, T, T]) and cached keys.
 
     Without a row map each row has its own cache row: one SDPA over cache + own keys. With a row
@@ -102,53 +116,72 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
     call, says which), so a K-draft call never materialises K copies of a cache row and never
     reads anything back to the host; `all_own` says every query may see every own key
     (bidirectional models, unless the cache says its call's own keys hold padding:
-    `KVCache.own_masked`), else the kernel applies the own mask too (`own_mask`).
+    `KVCache.own_masked`), else the kernel applies the own mask too (`own_mask`). `scale` is the
+    q.k scale (None: 1/sqrt(D)); `cache_mask` [R, 1, T, S], where a cached key's visibility
+    depends on the query (a sliding window in an encoder call), replaces the cache's key mask.
     """
+    sc = {} if scale is None else {"scale": scale}
     if cache_kv is None or cache.length == 0:
-        return F.scaled_dot_product_attention(q, k_own, v_own, attn_mask=own_mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k_own, v_own, attn_mask=own_mask, enable_gqa=True, **sc)
     k_c, v_c = cache_kv
     km = cache.key_mask
     R, _, T, _ = q.shape
     if cache.row_map is None:
         k = torch.cat((k_c, k_own), dim=2)
         v = torch.cat((v_c, v_own), dim=2)
-        mask = torch.cat((km[:, None, None, :].expand(R, 1, T, km.shape[1]), own_mask.expand(R, 1, T, T)), dim=-1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        cm = km[:, None, None, :].expand(R, 1, T, km.shape[1]) if cache_mask is None else cache_mask
+        mask = torch.cat((cm, own_mask.expand(R, 1, T, T)), dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, **sc)
+    if cache_mask is not None:
+        raise ValueError("a per-query cache mask (a sliding window in an encoder call) needs one cache row per row "
+                         "(row_map None)")
     import psd_kernels
 
     om = None if all_own and not cache.own_masked else own_mask[:, 0]          # [R or 1, T, T]
     return psd_kernels.shared_prefix_attention(q, k_c, v_c, k_own, v_own, shared_mask=km, own_mask=om,
-                                               row_map=cache.plan)[0]
+                                               row_map=cache.plan, **sc)[0]
 
 
 class Attention(nn.Module):
     """q/k/v/o projections; under tensor parallelism (`tp`) this rank's whole heads and kv-heads
     (q/k/v column-parallel) and the matching input slice of o (row-parallel, summed over ranks)."""
 
-    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None):
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None, index: int = 0):
         super().__init__()
         world = tp.world if tp is not None else 1
+        shape = c.layer(index)              # this layer's head dim, kv heads, window, RoPE (DiffusionGemma: per type)
         self.tp = tp
-        self.h, self.hkv, self.d = c.num_heads // world, c.num_kv_heads // world, c.head_dim
+        self.h, self.hkv, self.d = c.num_heads // world, shape.kv_heads // world, shape.head_dim
+        self.window, self.rope, self.scale = shape.window, shape.rope, c.attention_scale
         self.bidirectional = c.attention == "bidirectional"   # own keys all visible in cached calls
         self.wq = nn.Linear(c.hidden_size, self.h * self.d, bias=c.qkv_bias)
         self.wk = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
-        self.wv = nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
+        # DiffusionGemma's full-attention layers have no v projection: v is k's projection (own norm, no RoPE)
+        self.wv = None if shape.k_is_v else nn.Linear(c.hidden_size, self.hkv * self.d, bias=c.qkv_bias)
         self.wo = nn.Linear(self.h * self.d, c.hidden_size, bias=c.o_bias)
-        # QK-norm (LLaDA2): one RMSNorm over each head's features, shared by the heads, before RoPE
+        # QK-norm (LLaDA2, DiffusionGemma): one RMSNorm over each head's features, shared by the heads, before RoPE
         self.q_norm = RMSNorm(self.d, c.rms_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(self.d, c.rms_eps) if c.qk_norm else None
+        self.v_norm = RMSNorm(self.d, c.rms_eps, scale=False) if c.v_norm else None
 
-    def forward(self, x, cos, sin, own_mask, cache_kv, cache):
+    def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False):
         R, T, _ = x.shape
         q = self.wq(x).view(R, T, self.h, self.d).transpose(1, 2)       # [R, H, T, D]
-        k = self.wk(x).view(R, T, self.hkv, self.d).transpose(1, 2)     # [R, Hkv, T, D]
-        v = self.wv(x).view(R, T, self.hkv, self.d).transpose(1, 2)
+        kp = self.wk(x)
+        k = kp.view(R, T, self.hkv, self.d).transpose(1, 2)             # [R, Hkv, T, D]
+        v = (kp if self.wv is None else self.wv(x)).view(R, T, self.hkv, self.d).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attend(q, k, v, own_mask, cache_kv, cache, all_own=self.bidirectional)
+        o = attend(q, k, v, own_mask, cache_kv, cache, all_own=self.bidirectional or decoder, scale=self.scale,
+                   cache_mask=cache_mask)
         return row_parallel(self.wo, o.transpose(1, 2).reshape(R, T, self.h * self.d), self.tp), (k, v)
+
+
+# the gated MLPs' activation: SwiGLU, or GeGLU with the tanh approximation (Gemma's gelu_pytorch_tanh)
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):
@@ -161,9 +194,10 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(c.hidden_size, inner, bias=False)
         self.w_up = nn.Linear(c.hidden_size, inner, bias=False)
         self.w_down = nn.Linear(inner, c.hidden_size, bias=False)
+        self.act = ACTIVATIONS[c.hidden_act]
 
     def forward(self, x):
-        return row_parallel(self.w_down, F.silu(self.w_gate(x)) * self.w_up(x), self.tp)
+        return row_parallel(self.w_down, self.act(self.w_gate(x)) * self.w_up(x), self.tp)
 
 
 class MoE(nn.Module):
@@ -215,18 +249,121 @@ class MoE(nn.Module):
         return y if self.shared is None else y + self.shared(x)
 
 
+def grouped_experts(x, w_gate, w_up, w_down, ids, weights, act):
+    """`psd_kernels.moe`'s math with another activation (GeGLU), in plain torch: out[t] =
+    Σ_j weights[t, j] · w_down[e] @ (act(w_gate[e] @ x[t]) * (w_up[e] @ x[t])), e = ids[t, j], fp32
+    accumulation rounded once to x's dtype. Slots are grouped by expert and only the experts that
+    received some run (one host read of the per-expert counts). The kernel is SwiGLU only; this is
+    DiffusionGemma's path until it takes an activation."""
+    T, k = ids.shape
+    E = w_gate.shape[0]
+    y = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E).tolist()
+    tok, w = order // k, weights.reshape(-1)[order].float()
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            t = tok[start:start + n]
+            xe = x.index_select(0, t).float()
+            h = act(xe @ w_gate[e].float().T) * (xe @ w_up[e].float().T)
+            y.index_add_(0, t, (h @ w_down[e].float().T) * w[start:start + n, None])
+            start += n
+    return y.to(x.dtype)
+
+
+class SoftmaxMoE(nn.Module):
+    """Gemma 4's (DiffusionGemma's) routed experts, run beside each layer's dense MLP.
+
+    The router reads the layer's residual stream x: scores = W_router · (rmsnorm(x) * router_scale
+    / sqrt(H)) without a norm weight; softmax over the E experts in fp32; the k best, their
+    probabilities renormalised to sum 1, times a learned per-expert scale. The experts (GeGLU,
+    stacked [E, I, H] / [E, H, I]; the checkpoint's fused gate_up is split at load as views) run on
+    in_norm(x), and their sum goes through out_norm."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        self.k, self.act = c.num_experts_per_tok, ACTIVATIONS[c.hidden_act]
+        self.router_norm = RMSNorm(H, c.rms_eps, scale=False)
+        self.router = nn.Linear(H, E, bias=False)
+        self.router_scale = nn.Parameter(torch.ones(H))
+        self.expert_scale = nn.Parameter(torch.ones(E))
+        self.in_norm = RMSNorm(H, c.rms_eps)
+        self.out_norm = RMSNorm(H, c.rms_eps)
+        self.w_gate = nn.Parameter(torch.empty(E, I, H))
+        self.w_up = nn.Parameter(torch.empty(E, I, H))
+        self.w_down = nn.Parameter(torch.empty(E, H, I))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k] int64, weights [T, k] fp32) of tokens x [T, H]."""
+        h = self.router_norm(x) * self.router_scale * x.shape[-1] ** -0.5
+        probs = F.softmax(self.router(h), dim=-1, dtype=torch.float32)
+        w, ids = probs.topk(self.k, dim=-1)
+        return ids, w / w.sum(-1, keepdim=True) * self.expert_scale[ids]
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])                                                 # [R·T, H]
+        ids, w = self.route(flat)
+        y = grouped_experts(self.in_norm(flat), self.w_gate, self.w_up, self.w_down, ids, w, self.act)
+        return self.out_norm(y.view_as(x))
+
+
 class Block(nn.Module):
     def __init__(self, c: ModelConfig, tp: TensorParallel | None = None, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.attn = Attention(c, tp)
+        self.attn = Attention(c, tp, index)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.mlp = MoE(c) if c.is_moe_layer(index) else MLP(c, tp)
+        gemma = c.is_moe_layer(index) and c.moe_router == "softmax"
+        self.mlp = MoE(c) if c.is_moe_layer(index) and not gemma else MLP(c, tp)
+        self.sandwich = c.sandwich_norm
+        if c.sandwich_norm:      # Gemma: the attention's and the feed-forward's outputs are normed too
+            self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+            self.post_ffn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        # Gemma 4: routed experts beside the dense MLP, whose output has its own norm
+        self.moe = SoftmaxMoE(c) if gemma else None
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_eps) if gemma else None
+        self.scalars = c.encoder_decoder
+        if c.encoder_decoder:    # DiffusionGemma: the block's output scale, one per mode (the checkpoint has both)
+            self.enc_scalar = nn.Parameter(torch.ones(1))
+            self.dec_scalar = nn.Parameter(torch.ones(1))
 
-    def forward(self, x, cos, sin, own_mask, cache_kv, cache):
-        a, kv = self.attn(self.attn_norm(x), cos, sin, own_mask, cache_kv, cache)
-        x = x + a
-        return x + self.mlp(self.ffn_norm(x)), kv
+    def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False):
+        a, kv = self.attn(self.attn_norm(x), cos, sin, own_mask, cache_kv, cache, cache_mask, decoder)
+        if not self.sandwich:
+            x = x + a
+            return x + self.mlp(self.ffn_norm(x)), kv
+        x = x + self.post_attn_norm(a)
+        f = self.mlp(self.ffn_norm(x))
+        if self.moe is not None:
+            f = self.mlp_norm(f) + self.moe(x)
+        x = x + self.post_ffn_norm(f)
+        if self.scalars:
+            x = x * (self.dec_scalar if decoder else self.enc_scalar)
+        return x, kv
+
+
+class SelfConditioning(nn.Module):
+    """DiffusionGemma's decoder input: the canvas embeddings plus a gated MLP of the soft
+    embeddings of the previous step's logits (softmax(logits) @ E, scaled as token embeddings),
+    through an RMSNorm without weight. Without previous logits (the first step) the soft
+    embeddings are zero, so the MLP adds exactly 0 and only the norm remains."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.mlp = MLP(c)
+        self.out_norm = RMSNorm(c.hidden_size, c.rms_eps, scale=False)
+
+    def forward(self, x, logits, rows, embedding: torch.Tensor, scale: float):
+        if logits is None:
+            return self.out_norm(x)
+        soft = (logits.softmax(-1, dtype=torch.float32).to(embedding.dtype) @ embedding) * x.new_tensor(scale)
+        if rows is not None:                 # rows without a previous step: zero soft embeddings
+            soft = soft * rows.to(soft.dtype)[:, None, None]
+        return self.out_norm(x + self.mlp(self.norm(soft)))
 
 
 class Transformer(nn.Module):
@@ -246,6 +383,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, tp, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.self_cond = SelfConditioning(config) if config.encoder_decoder else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -270,7 +408,11 @@ class Transformer(nn.Module):
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
-        return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        cap = self.config.logit_softcap
+        if cap is None:
+            return logits
+        return torch.tanh(logits.float() / cap) * cap      # in fp32, returned fp32 (as transformers' Gemma)
 
     def forward(
         self,
@@ -281,18 +423,71 @@ class Transformer(nn.Module):
         out_start: int = 0,                # logits for query positions [out_start, out_start + out_len)
         out_len: int | None = None,
         return_kv: bool = False,
+        *,
+        decoder: bool = False,             # encoder-decoder models (DiffusionGemma): run the decoder mode
+        self_cond: torch.Tensor | None = None,       # decoder mode: the previous step's logits [R, T, V]
+        self_cond_rows: torch.Tensor | None = None,  # [R] bool: rows False use none (their first step)
     ):
-        """Returns (logits [R, out_len, V], per-layer (k, v) of the T positions if return_kv)."""
+        """Returns (logits [R, out_len, V], per-layer (k, v) of the T positions if return_kv).
+
+        Encoder-decoder models (docs/models.md, DiffusionGemma) have two modes of the same weights:
+        encoder (default; a causal `own_mask`, KV written with return_kv, sliding windows counted
+        back from each query) and decoder (`decoder=True`: the canvas, a bidirectional `own_mask`,
+        over the encoder's KV in `cache`, whose sliding-window layers see the last window - 1
+        cached positions; the input embeddings take the self-conditioning signal of `self_cond`).
+        Sliding-window layers need `cache.positions` when a cache is given."""
+        c = self.config
         x = self.tok_embeddings(ids)
-        cos, sin = rope_cos_sin(pos, self.config.rotary_dim or self.config.head_dim, self.config.rope_theta, x.dtype)
-        kvs = []
+        if c.embedding_scale != 1.0:
+            x = x * x.new_tensor(c.embedding_scale)        # the scale rounded to the weights' dtype, as Gemma's
+        if decoder or self_cond is not None or self_cond_rows is not None:
+            if self.self_cond is None:
+                raise ValueError(f"a {c.family} model has no decoder mode (self-conditioning): only encoder-decoder "
+                                 f"models (diffusion_gemma) do")
+            if not decoder:
+                raise ValueError("self_cond / self_cond_rows are inputs of the decoder mode (decoder=True)")
+            x = self.self_cond(x, self_cond, self_cond_rows, self.tok_embeddings.weight, c.embedding_scale)
+        if not c.layer_types:       # one attention shape for every layer: one RoPE, the caller's masks
+            cos, sin = rope_cos_sin(pos, c.rotary_dim or c.head_dim, c.rope_theta, x.dtype)
+        ropes, windows, kvs = {}, {}, []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, own_mask, cache.layers[i] if cache is not None else None, cache)
+            kv_i = cache.layers[i] if cache is not None else None
+            if not c.layer_types:
+                x, kv = layer(x, cos, sin, own_mask, kv_i, cache)
+            else:
+                spec, w = layer.attn.rope, layer.attn.window
+                if spec not in ropes:
+                    ropes[spec] = rope_cos_sin(pos, spec[0], spec[1], x.dtype, spec[2])
+                if w not in windows:
+                    windows[w] = self._window(w, pos, own_mask, cache, decoder)
+                m_own, m_cache, cm = windows[w]
+                x, kv = layer(x, *ropes[spec], m_own, kv_i, m_cache, cm, decoder)
             if return_kv:
                 kvs.append(kv)
         out_len = x.shape[1] - out_start if out_len is None else out_len
         logits = self.lm_head(x[:, out_start:out_start + out_len])
         return logits, (kvs if return_kv else None)
+
+    @staticmethod
+    def _window(window, pos, own_mask, cache, decoder):
+        """(own mask, cache, per-query cache mask or None) of the layers with `window` (None: the
+        caller's). Encoder: query i sees key j only if pos_i - pos_j < window (own and cached keys,
+        as transformers' sliding-window causal mask). Decoder: the canvas sees itself whole and the
+        last window - 1 cached positions, what transformers' sliding cache layers keep of the
+        encoded sequence (DynamicSlidingWindowLayer)."""
+        if window is None:
+            return own_mask, cache, None
+        own = own_mask if decoder else own_mask & ((pos[:, :, None] - pos[:, None, :]) < window)[:, None]
+        if cache is None or cache.length == 0:
+            return own, cache, None
+        if cache.positions is None:
+            raise ValueError("a model with sliding-window layers needs the cached keys' positions (KVCache.positions)")
+        kp = cache.positions
+        if decoder:
+            last = kp.masked_fill(~cache.key_mask, torch.iinfo(kp.dtype).min).amax(-1, keepdim=True)   # [Bc, 1]
+            return own, dataclasses.replace(cache, key_mask=cache.key_mask & (last - kp < window - 1)), None
+        cm = cache.key_mask[:, None, None, :] & ((pos[:, :, None] - kp[:, None, :]) < window)[:, None]
+        return own, cache, cm
 
 
 # ---------------------------------------------------------------------- masks and positions
@@ -317,7 +512,8 @@ def attention_mask(
     bidirectional: every non-pad key. context_causal (openPangu): the context (prompt and
     finished blocks, index < block_start) attends causally; generation blocks attend to the
     whole context and bidirectionally within their own block, never to later blocks.
-    block_causal (LLaDA2): position i sees position j iff j's block is not after i's, blocks of
+    causal (DiffusionGemma's encoder mode): j <= i. block_causal (LLaDA2): position i sees
+    position j iff j's block is not after i's, blocks of
     `config.attention_block` counted from each sequence's first token (its position id), so the
     prompt fills the first blocks and a left-padded row sees what it would unpadded; the
     canvas arguments (prompt_len, block_start, block_len) play no part. A query always sees
@@ -327,6 +523,8 @@ def attention_mask(
     kv = valid[:, k_idx][:, None, None, :]                         # [R, 1, 1, Tk]
     if config.attention == "bidirectional":
         m = kv.expand(valid.shape[0], 1, len(q_idx), len(k_idx))
+    elif config.attention == "causal":          # DiffusionGemma's encoder mode (its decoder: all keys visible)
+        m = kv & (j <= i)[None, None]
     elif config.attention == "block_causal":
         blk = torch.div(position_ids(config, valid), config.attention_block, rounding_mode="floor")   # [R, N]
         m = kv & (blk[:, k_idx][:, None, None, :] <= blk[:, q_idx][:, None, :, None])
