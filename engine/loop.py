@@ -53,6 +53,9 @@ class Decoder:
         self.trace = trace
         self.model = model
         self.mc = model.config
+        if self.mc.mask_token_id is None:         # DiffusionGemma: its canvas starts as uniform noise
+            raise InputError(f"a {self.mc.family} model has no mask token: it diffuses from uniform noise, which "
+                             f"this engine does not decode yet (the model loads and runs; docs/models.md)")
         self.dc = (config or DecodeConfig()).validate()
         self.policy = self.dc.policy()
         self.graph = self.dc.draft_graph()

@@ -293,3 +293,19 @@ def test_decoder_mode_is_refused_for_other_families():
     ids = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="has no decoder mode"):
         model(ids, torch.arange(3)[None], torch.ones(1, 1, 3, 3, dtype=torch.bool), decoder=True)
+
+
+def test_decoding_is_refused_in_one_line_until_the_loop_supports_it(tmp_path):
+    """The model loads and runs, but the loop decodes masked diffusion only: `engine.generate` on a
+    DiffusionGemma checkpoint is one `error:` line and status 2, never a traceback from the loop."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from models.random_checkpoint import make_checkpoint
+
+    path, _ = make_checkpoint(tmp_path / "dg", "diffusion_gemma", seed=1)
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "t1 t2 t3", "--model", str(path)],
+                       cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "no mask token" in r.stderr
