@@ -151,8 +151,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_threads() -> None:
-    """Pin CPU benchmarks to the thread count given in PSD_BENCH_THREADS (shared machines)."""
-    n = os.environ.get("PSD_BENCH_THREADS")
+THREADS_HELP = ("torch CPU threads (default: PSD_BENCH_THREADS, else torch's, one per core, as engine.serve; "
+                "on a busy or shared CPU fewer, often 1, can be many times faster)")
+
+
+def bench_threads(n: int | None = None) -> None:
+    """Pin CPU benchmarks to `n` threads (a command's --threads), else to PSD_BENCH_THREADS (shared
+    machines), else leave torch's default."""
+    n = n or os.environ.get("PSD_BENCH_THREADS")
     if n:
         torch.set_num_threads(int(n))

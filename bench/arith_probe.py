@@ -12,11 +12,12 @@ The last line is one JSON object.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
+
+from engine.frontend import Parser, add_threads_flag, set_threads
 
 
 def build_batch(tok, drills, fmt, mask_id: int, pad_id: int, answer_len: int):
@@ -67,13 +68,15 @@ def probe(model, tok, n: int = 64, seed: int = 424242, answer_len: int = 64) -> 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.arith_probe", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench.arith_probe", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/default", help="checkpoint directory")
     p.add_argument("--n", type=int, default=64, help="number of drills (3-4 equations each)")
     p.add_argument("--seed", type=int, default=424242, help="drill seed")
     p.add_argument("--answer-len", type=int, default=64, help="answer region length in tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_threads_flag(p)
     args = p.parse_args(argv)
+    set_threads(args.threads)
     from models import load_model
     from models.errors import CheckpointError
     from models.tokenizer import Tokenizer

@@ -12,14 +12,13 @@ Results: runs/bench/bench_draft_<device>.csv (git-ignored; PSD_BENCH_RESULTS=DIR
 """
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
+from engine.frontend import Parser, add_threads_flag
 from psd_kernels import reference
 
-from ._common import (bench_threads, copy_bandwidth_gbps, default_device, print_table, sync, time_ms,
+from ._common import (THREADS_HELP, bench_threads, copy_bandwidth_gbps, default_device, print_table, sync, time_ms,
                       triton_usable, write_csv)
 
 OPS = ("assemble_drafts", "rank_positions", "position_ranks")
@@ -83,14 +82,15 @@ def run(rows_list, nodes_list, L: int, depth: int, ops, device: torch.device) ->
 def main(argv=None) -> None:
     device = default_device()
     gpu = device.type == "cuda"
-    ap = argparse.ArgumentParser(description="draft assembly / rank_positions / position_ranks: torch vs triton")
+    ap = Parser(description="draft assembly / rank_positions / position_ranks: torch vs triton")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 512] if gpu else [1, 64])
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--op", nargs="+", choices=OPS, default=list(OPS))
+    add_threads_flag(ap, THREADS_HELP)
     args = ap.parse_args(argv)
-    bench_threads()
+    bench_threads(args.threads)
     rows = run(args.rows, args.nodes, args.block, args.depth, args.op, device)
     print_table(rows, ["bench", "provider", "rows", "block", "nodes", "us", "gbps", "peak_frac"])
     print(f"wrote {write_csv('bench_draft', rows, device)}")

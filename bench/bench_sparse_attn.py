@@ -34,7 +34,6 @@ the current directory, or PSD_BENCH_RESULTS).
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import statistics
@@ -44,10 +43,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.frontend import Parser, add_threads_flag
 from psd_kernels import reference
 
 from . import _common
-from ._common import bench_threads, default_device, peak_memory_mb, print_table, sync, triton_usable
+from ._common import THREADS_HELP, bench_threads, default_device, peak_memory_mb, print_table, sync, triton_usable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # attention head shapes: (heads, kv heads, head dim)
@@ -279,8 +279,8 @@ def run(shapes, drafts, shared, seqs, L, dtype_names, device, repeats, rep_ms=10
 def main(argv=None) -> int:
     device = default_device()
     gpu = device.type == "cuda"
-    ap = argparse.ArgumentParser(description="shared-prefix attention of K drafts: reference / SDPA variants / "
-                                             "FlexAttention / triton")
+    ap = Parser(description="shared-prefix attention of K drafts: reference / SDPA variants / "
+                            "FlexAttention / triton")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, two drafts counts, one prefix: seconds on a CPU")
     ap.add_argument("--shape", nargs="+", choices=sorted(SHAPES),
                     help="head shapes by name (default: --heads/--kv-heads/--head-dim)")
@@ -296,6 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds on CPU (median and min reported)")
     ap.add_argument("--flex-budget", type=float, default=20.0,
                     help="seconds FlexAttention may spend (it compiles per shape); later cases skip it")
+    add_threads_flag(ap, THREADS_HELP)
     args = ap.parse_args(argv)
     q = args.quick
     drafts = args.drafts or ([1, 4] if q else [1, 2, 4, 8, 16] if gpu else [4, 16])
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
     for name, (H, Hkv, D) in shapes:
         if Hkv < 1 or H % Hkv:
             ap.error(f"{name}: heads {H} must be a multiple of kv heads {Hkv}")
-    bench_threads()
+    bench_threads(args.threads)
     rows = run(shapes, drafts, shared, args.seqs, block, dtypes, device, repeats, 25.0 if q else 100.0,
                tuple(args.providers), flex_budget_s=args.flex_budget,
                checkpoint=lambda done: _common.write_csv("bench_sparse_attn", done, device))

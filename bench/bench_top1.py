@@ -23,15 +23,14 @@ directory, or PSD_BENCH_RESULTS).
 """
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
+from engine.frontend import Parser, add_threads_flag
 from psd_kernels import reference
 
 from . import _common
-from ._common import bench_threads, copy_bandwidth_gbps, default_device, print_table, sync, triton_usable
+from ._common import THREADS_HELP, bench_threads, copy_bandwidth_gbps, default_device, print_table, sync, triton_usable
 from .bench_sparse_attn import time_interleaved
 
 MASK_ID = 126336  # LLaDA's mask token: excluded like the engine does
@@ -118,7 +117,7 @@ def run(rows_list, vocab_list, dtypes, scores, sample: bool, device: torch.devic
 def main(argv=None) -> int:
     device = default_device()
     gpu = device.type == "cuda"
-    ap = argparse.ArgumentParser(description="top-1 over the vocabulary: torch vs triton")
+    ap = Parser(description="top-1 over the vocabulary: torch vs triton")
     ap.add_argument("--quick", action="store_true", help="4 rows of 4096 logits: seconds on a CPU")
     ap.add_argument("--rows", type=int, nargs="+", default=None)
     ap.add_argument("--vocab", type=int, nargs="+", default=None)
@@ -128,12 +127,13 @@ def main(argv=None) -> int:
     ap.add_argument("--providers", nargs="+", choices=("torch", "unfused", "triton"),
                     default=["torch", "unfused", "triton"])
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds on CPU")
+    add_threads_flag(ap, THREADS_HELP)
     args = ap.parse_args(argv)
     q = args.quick
     rows_list = args.rows or ([4] if q else [32, 256, 1024] if gpu else [32, 512])
     vocab = args.vocab or ([4096] if q else [32000, 126464, 152064] if gpu else [32000, 126464])
     dtypes = args.dtype or (["float32"] if q else ["bfloat16", "float32"])
-    bench_threads()
+    bench_threads(args.threads)
     rows = run(rows_list, vocab, dtypes, args.score, args.sample, device, args.repeats or (3 if q else 7),
                25.0 if q else 100.0, tuple(args.providers))
     print_table(rows, ["provider", "rows", "vocab", "dtype", "score", "ms", "ms_min", "gbps", "peak_frac", "hbm_frac"])

@@ -11,13 +11,13 @@ The last line is one JSON object.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 
 import torch
 
 from engine import DecodeConfig, generate
+from engine.frontend import Parser, add_threads_flag, set_threads
 from models import ModelConfig, init_random, load_model
 
 
@@ -36,14 +36,16 @@ def agreement(model, prompts, method, cache, **kw):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", nargs="*", default=[])
     p.add_argument("--families", nargs="*", default=["llada", "dream", "pangu"])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--block-length", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    add_threads_flag(p)
     args = p.parse_args(argv)
+    set_threads(args.threads)
     models = [(d, load_model(d)) for d in args.model]
     for fam in ([] if args.model else args.families):
         cfg = ModelConfig.tiny(fam, vocab_size=512, mask_token_id=511, eos_token_id=510, hidden_size=128,
@@ -64,7 +66,7 @@ def main(argv=None):
                 tok, seq = agreement(model, prompts, method, cache, gen_length=args.gen_length,
                                      block_length=args.block_length, **kw)
                 rows.append(dict(model=name, method=method, cache=cache, token_agreement=tok, identical=seq))
-                print(f"| {name} | {method} | {cache} | {tok:.3f} | {seq:.3f} |")
+                print(f"| {name} | {method} | {cache} | {tok:.3f} | {seq:.3f} |", flush=True)   # a log sees each row
     print(json.dumps({"rows": rows}))
 
 

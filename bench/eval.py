@@ -23,7 +23,8 @@ import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
 from engine.config import spec_label
-from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, guarded, plugins_loaded
+from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, add_threads_flag, guarded,
+                             plugins_loaded, progress, set_threads)
 from engine.options import resolve, spellings
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
 
@@ -84,20 +85,20 @@ def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None
     dec = Decoder(model, cfg, trace=None if trace is None else (lambda rows, *rest: trace(rows + offset[0], *rest)))
     records, all_res = [], []
     t0 = time.perf_counter()
-    from tqdm import tqdm
-
     batches = range(0, len(prompts), args.batch_size)
     label = spec_label(cfg, opts)
-    for i in tqdm(batches, desc=label, disable=args.quiet or not sys.stderr.isatty(), file=sys.stderr):
-        offset[0] = i
-        res = dec.generate(prompts[i:i + args.batch_size])
-        for p, r in zip(problems[i:i + args.batch_size], res):
-            text = truncate_at(tok.decode(r.token_ids), getattr(task, "STOP_SEQUENCES", ()))
-            records.append({"id": p["id"], "method": label, "spec": name, "completion": text,
-                            "tokens": r.tokens, "calls": r.calls, "rows_per_call": r.rows_per_call,
-                            "accepted_depth": {str(k): v for k, v in r.accepted_depth.items()},
-                            "draft_tokens": sum(r.commit_source)})
-            all_res.append(r)
+    with progress(len(prompts), f"{label}: problems", args.quiet) as bar:
+        for i in batches:
+            offset[0] = i
+            res = dec.generate(prompts[i:i + args.batch_size])
+            for p, r in zip(problems[i:i + args.batch_size], res):
+                text = truncate_at(tok.decode(r.token_ids), getattr(task, "STOP_SEQUENCES", ()))
+                records.append({"id": p["id"], "method": label, "spec": name, "completion": text,
+                                "tokens": r.tokens, "calls": r.calls, "rows_per_call": r.rows_per_call,
+                                "accepted_depth": {str(k): v for k, v in r.accepted_depth.items()},
+                                "draft_tokens": sum(r.commit_source)})
+                all_res.append(r)
+            bar.update(len(res))
     wall = time.perf_counter() - t0
     # scoring is outside the timed region (code runs in a sandbox)
     kw = {"isolation": sandbox_mode(args)} if getattr(task, "RUNS_CODE", False) else {}
@@ -151,6 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    add_threads_flag(p)
     p.add_argument("--out", help="per-problem JSONL, written as each method finishes "
                                  "(default: a fresh runs/eval-<task>-<time>/results.jsonl)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
                    help="code suites: run generated code with the sandbox's reduced isolation (rlimits and "
                         "per-program processes, no filesystem or network isolation) where Linux namespace "
                         "isolation is unavailable; without it such a machine is an error before decoding")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar at a terminal, else a line "
+                                                         "every 30 s, $PSD_PROGRESS_SECONDS)")
     args = p.parse_args(argv)
     try:
         return guarded(_run, args, errors=(FileNotFoundError, ValueError))
@@ -331,6 +334,7 @@ def _run(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if world > 1 and device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
+    set_threads(args.threads)
     model = load_model(args.model, dtype=args.dtype, device=device)
     mine = problems[rank::world]
     prompts = [tok.encode(task.format_prompt(pr, shots)) for pr in mine]

@@ -8,7 +8,6 @@ behaviour keeps it; `--list` prints one line per configuration to find where two
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
@@ -80,10 +79,14 @@ def run(families=("llada", "dream", "pangu"), quick: bool = False, listing: bool
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.fingerprint", description=__doc__.split("\n\n")[0])
+    from engine.frontend import Parser, add_threads_flag, set_threads
+
+    ap = Parser(prog="python -m bench.fingerprint", description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="one line per configuration (its own hash)")
     ap.add_argument("--quick", action="store_true", help="fewer configurations")
+    add_threads_flag(ap)
     args = ap.parse_args(argv)
+    set_threads(args.threads)
     n = len(configurations(args.quick)) * 3
     print(f"{run(quick=args.quick, listing=args.list)}  ({n} configurations)")
     return 0

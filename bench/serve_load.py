@@ -20,7 +20,6 @@ after it); --rounds R repeats each level, alternating which mode goes first, and
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -186,7 +185,9 @@ def loadavg() -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
+    from engine.frontend import Parser, add_threads_flag
+
+    p = Parser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
     p.add_argument("--url", help="a running server (else one is started per --modes)")
     p.add_argument("--modes", nargs="+", choices=("continuous", "static", "serial"), default=["continuous", "static"],
                    help="servers to start and compare: continuous batching, static batching, one request at a time")
@@ -195,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--server-args", default="--method confidence --threshold 0.9 --device cpu",
                    help="decoding and device flags of the started servers")
     p.add_argument("--max-batch", type=int, default=32, help="--max-batch of the continuous and static servers")
+    add_threads_flag(p, "--threads of the started servers: their torch CPU threads (default: the server's, torch's "
+                        "one per core; on a busy or shared CPU fewer, often 1, can be many times faster)")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64], help="client concurrencies")
     p.add_argument("--requests", type=int, help="requests per level (default: 2 x concurrency, at least 8)")
     p.add_argument("--max-tokens", type=int, nargs="+", default=[64],
@@ -222,7 +225,7 @@ def main(argv=None) -> int:
         if args.url:
             servers.append(("server", args.url.rstrip("/"), None))
         else:
-            flags = shlex.split(args.server_args)
+            flags = shlex.split(args.server_args) + ([] if args.threads is None else ["--threads", str(args.threads)])
             mode_flags = {"continuous": ["--max-batch", str(args.max_batch)],
                           "static": ["--max-batch", str(args.max_batch), "--batching", "static"],
                           "serial": ["--max-batch", "1"]}

@@ -202,11 +202,22 @@ def _budget_cost(cost, cache, mc_acc, prompt_width, gen_length, block_length, ba
                               for n in counts], "projected")
 
 
+def decodes(specs, cards: list[str], prompts: int, batch: int, **run) -> int:
+    """Batches `simulate` decodes (`run`: gen_length, block_length, cache): every spec once, one
+    with `draft_budget=auto` once per card (it chooses for the card)."""
+    from .eval import method_config
+
+    auto = [method_config(name, opts, **run).draft_budget == "auto" for name, opts in specs]
+    once = {(name, json.dumps(opts, sort_keys=True, default=str)) for (name, opts), a in zip(specs, auto) if not a}
+    return (len(once) + sum(auto) * len(cards)) * math.ceil(prompts / batch)
+
+
 def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch: int, gen_length: int,
-             block_length: int, elem: int, overhead_ms: float, profile=None) -> list[dict]:
+             block_length: int, elem: int, overhead_ms: float, profile=None, bar=None) -> list[dict]:
     """Decode `prompts` with every method spec (name, opts) on this machine, recording every call,
     and project each method's tokens/s on every card. `target`: the ModelConfig the roofline
-    costs; `profile`: a cost-profile path used instead of the roofline."""
+    costs; `profile`: a cost-profile path used instead of the roofline; `bar`: a progress bar
+    told of every decoded batch (`decodes` counts them)."""
     from .eval import method_config
 
     mc_acc = model.config
@@ -237,7 +248,11 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
                 trace = CallTrace(model)
                 try:
                     dec = Decoder(model, cfg, cost_model=budget_cm)
-                    results = [r for b in batches for r in dec.generate(b)]
+                    results = []
+                    for b in batches:
+                        results += dec.generate(b)
+                        if bar is not None:
+                            bar.update(1)
                 finally:
                     trace.remove()
                 from engine import aggregate
@@ -293,7 +308,7 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
 
     from .eval import parse_method
     from .speed import DEFAULT_SIMULATE_METHODS, checkpoint_prompts, fit_length, shape_config, write_csv
-    from engine.frontend import DEFAULT_MODEL_DIR
+    from engine.frontend import DEFAULT_MODEL_DIR, progress
     from engine.config import check_prompts
 
     cards = list(dict.fromkeys(card_key(name) for name in args.simulate))
@@ -333,11 +348,13 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     elem = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     t0 = time.perf_counter()
     rows = []
-    for gl in args.gen_length:
-        for cache in args.cache:
-            for b in args.batch_sizes:
-                rows += simulate(model, specs, prompts, cards, target, cache, b, gl, args.block_length, elem,
-                                 overhead, args.cost_profile)
+    runs = [(gl, cache, b) for gl in args.gen_length for cache in args.cache for b in args.batch_sizes]
+    total = sum(decodes(specs, cards, len(prompts), b, gen_length=gl, block_length=args.block_length, cache=cache)
+                for gl, cache, b in runs)
+    with progress(total, "simulate: decoded batches", args.quiet) as bar:
+        for gl, cache, b in runs:
+            rows += simulate(model, specs, prompts, cards, target, cache, b, gl, args.block_length, elem,
+                             overhead, args.cost_profile, bar)
     seconds = time.perf_counter() - t0
     cost_text = (f"measured cost curve {args.cost_profile} (ms of a call of n canvases)" if args.cost_profile else
                  f"roofline at the {target_name} shape ({target.parameter_count() / 1e9:.2f}B parameters, "

@@ -50,8 +50,8 @@ import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate, graphs
 from engine.cache import Window
-from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, guarded, plugins_loaded,
-                             resolve_device)
+from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, add_threads_flag, guarded,
+                             plugins_loaded, progress, resolve_device)
 from engine.config import check_prompts, spec_label
 from engine.errors import check_regular, read_user_text
 from engine.methods import METHODS
@@ -59,7 +59,7 @@ from engine.options import OPTIONS, RUNTIME
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
 from models.checkpoint import available_memory
 
-from ._common import bench_threads, device_name, versions
+from ._common import THREADS_HELP, bench_threads, device_name, versions
 from .eval import method_config, parse_method
 from .simulate import CARDS as SIMULATE_CARDS
 
@@ -522,7 +522,7 @@ def build_parser() -> Parser:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first batch of every method")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (CPU; also PSD_BENCH_THREADS)")
+    add_threads_flag(p, THREADS_HELP)
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and random prompts")
     p.add_argument("--cost-curve", action="store_true",
                    help="time ONE model call against its rows instead of decoding")
@@ -543,7 +543,8 @@ def build_parser() -> Parser:
     p.add_argument("--call-overhead-ms", dest="overhead_ms", type=float,
                    help="--simulate: fixed cost added to every roofline call (default: 0.5, an assumption)")
     p.add_argument("--out", help="output directory (default: a fresh runs/speed-<time>/)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar at a terminal, else a line "
+                                                         "every 30 s, $PSD_PROGRESS_SECONDS)")
     return p
 
 
@@ -562,7 +563,6 @@ def _check_args(args) -> None:
     _positive("--repeats", args.repeats)
     _positive("--rows", args.rows)
     _positive("--prefix", args.prefix)
-    _positive("--threads", args.threads)
     _positive("--cost-reps", args.cost_reps)
     if args.num_prompts and len(args.num_prompts) not in (1, len(args.batch_sizes)):
         raise InputError(f"--num-prompts takes one value or one per batch size ({len(args.batch_sizes)}), "
@@ -643,10 +643,7 @@ def _run(args, argv) -> int:
     if args.simulate:                       # a projection: decode here, cost every call on the card
         from . import simulate
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        else:
-            bench_threads()
+        bench_threads(args.threads)
         device = torch.device(resolve_device(args.device))
         return simulate.run(args, command, versions(), device, device_name(device))
     plan = [] if args.cost_curve else method_plan(args.methods or DEFAULT_METHODS)
@@ -655,10 +652,7 @@ def _run(args, argv) -> int:
             for cache in args.cache:
                 for e in plan:
                     method_config(e["name"], e["opts"], gen_length=gl, block_length=args.block_length, cache=cache)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    else:
-        bench_threads()
+    bench_threads(args.threads)
     device = torch.device(resolve_device(args.device))
     dtype = DTYPES[args.dtype]
     random_weights = args.shape is not None
@@ -701,9 +695,6 @@ def _run(args, argv) -> int:
              "command": command}
     header = (f"model={model_name} ({param_count(model) / 1e6:.1f}M parameters{', random weights' if random_weights else ''}) "
               f"dtype={args.dtype} device={dev_name} torch={stamp['torch']} triton={stamp['triton']}")
-    from tqdm import tqdm
-
-    quiet = args.quiet or not sys.stderr.isatty()
     if random_weights:
         print(f"note: {RANDOM_NOTE}", file=sys.stderr)
     summary = {"bench": "speed", "out_dir": str(out), "device": dev_name, **versions(), "dtype": args.dtype,
@@ -713,7 +704,7 @@ def _run(args, argv) -> int:
     if args.cost_curve:
         reps = args.cost_reps or (20 if device.type == "cuda" else 5)
         total = len(args.prefix) * len(args.batch_sizes) * len(args.rows)
-        with tqdm(total=total, desc="cost curve", disable=quiet, file=sys.stderr) as pbar:
+        with progress(total, "cost curve: points", args.quiet) as pbar:
             curves = cost_curve(model, device, args.cost_cache, args.prefix, args.rows, args.batch_sizes,
                                 args.block_length, reps, 0 if args.no_warmup else 2, args.seed, pbar)
         meta = {"device": dev_name, "model": model_name, "dtype": args.dtype, "cache": args.cost_cache,
@@ -744,7 +735,7 @@ def _run(args, argv) -> int:
     counter = CallCounter(model)
     rows = []
     total = len(prompt_sets) * len(args.gen_length) * len(args.cache) * args.repeats * len(plan)
-    with tqdm(total=total, desc="speed", disable=quiet, file=sys.stderr) as pbar:
+    with progress(total, "speed: decodes", args.quiet) as pbar:
         for gl in args.gen_length:
             for (b, n, plen), prompts in prompt_sets.items():
                 for cache in args.cache:

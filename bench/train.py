@@ -25,7 +25,6 @@ Loss is logged to stdout and `<state-dir>/log.csv`.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.frontend import Parser, thread_count
 from models.checkpoint import save_checkpoint
 from models.config import ModelConfig
 from models.transformer import Transformer, attention_mask, position_ids
@@ -252,7 +252,7 @@ def write_sample_prompt(out: Path) -> None:
 
 # ---------------------------------------------------------------------- main
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench.train", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="models/default", help="export directory (shipped weights + tokenizer)")
     p.add_argument("--state-dir", help="resumable training state + logs (default ~/.cache/psd-engine/train_runs/<out name>)")
     p.add_argument("--minutes", type=float, default=100.0, help="wall-clock budget of this invocation")
@@ -282,7 +282,9 @@ def build_parser():
     p.add_argument("--eps", type=float, default=1e-3)
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=2, metavar="N",
+                   help="torch CPU threads (default: 2, the setting the shipped model was trained with, unlike the "
+                        "other commands' torch default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 (default: bf16 autocast)")
     p.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"])

@@ -17,9 +17,9 @@ from pathlib import Path
 from models import CheckpointError, ModelConfig, Tokenizer
 
 from .config import DecodeConfig
-from .errors import InputError, read_user_text
-from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, decoding_options, guarded,
-                       plugins_loaded, resolve_device)
+from .errors import MAX_FILE_BYTES, InputError, read_user_text
+from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, add_threads_flag,
+                       decoding_options, guarded, plugins_loaded, resolve_device, set_threads)
 from .methods import METHODS
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_threads_flag(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--stream", action="store_true", help="print the text as it becomes final (decoding order)")
@@ -56,12 +57,31 @@ def _read_prompt(args) -> str:
             return text
         return args.prompt
     if src == "-":
-        try:
-            stdin = getattr(sys.stdin, "buffer", None)      # bytes, so invalid UTF-8 is our error
-            return stdin.read().decode("utf-8") if stdin is not None else sys.stdin.read()
-        except UnicodeDecodeError as e:
-            raise InputError(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        return _read_stdin(MAX_FILE_BYTES)
     return read_user_text(src, "prompt file")      # a regular file of sane size (a FIFO would block)
+
+
+def _read_stdin(limit: int) -> str:
+    """The prompt on stdin, bounded like a named file: never more than `limit` bytes (characters
+    where stdin has no bytes) are read, so /dev/zero or an endless pipe is one error line."""
+    stdin = getattr(sys.stdin, "buffer", None)          # bytes, so invalid UTF-8 is our error
+    source = stdin if stdin is not None else sys.stdin
+    chunks, size = [], 0
+    while size <= limit:
+        chunk = source.read(min(1 << 20, limit + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > limit:
+        raise InputError(f"the prompt on stdin is too large: over {limit} bytes ({limit >> 20} MiB), the most "
+                         f"that is read")
+    if stdin is None:
+        return "".join(chunks)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def run(args: argparse.Namespace, on_text=None) -> dict:
@@ -97,6 +117,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
 
     check_prompts(mc, dc, [tok.encode(text)])
     device = resolve_device(args.device) if tp is None else tp.device
+    set_threads(args.threads)
 
     from models import load_model
 

@@ -1,9 +1,9 @@
 """What every command-line front end shares (engine.generate, engine.calibrate, engine.serve, bench.eval,
 bench.speed, bench.lm_eval): the parser with one-line errors, one flag per decoding option of the
-table, the device and model-directory defaults, the error guard, and plugins: modules that register
-their own policies and methods (`engine.register`) before any parser is built, so that their
-methods and flags appear everywhere (`--plugin MODULE_OR_FILE`, `$PSD_PLUGINS`, or the
-`psd_engine.plugins` entry-point group of an installed package).
+table, the device and model-directory defaults, `--threads`, the error guard, progress that a log
+shows too, and plugins: modules that register their own policies and methods (`engine.register`)
+before any parser is built, so that their methods and flags appear everywhere (`--plugin
+MODULE_OR_FILE`, `$PSD_PLUGINS`, or the `psd_engine.plugins` entry-point group of an installed package).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from models import DTYPES, CheckpointError
@@ -66,6 +67,115 @@ def hub_id_hint(value, flag: str = "--model") -> str | None:
     return (f"{flag} {value} is not a local directory; it looks like a Hugging Face hub id — this engine "
             f"loads weights from local paths only: download it first (e.g. huggingface-cli download {value} "
             f"--local-dir DIR) and pass {flag} DIR")
+
+
+def thread_count(text: str) -> int:
+    """argparse type of `--threads`: an integer >= 1 (the parser's own one-line error otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+THREADS_HELP = ("torch CPU threads (default: torch's, one per core, as engine.serve; on a busy or shared CPU "
+                "fewer, often 1, can be many times faster)")
+
+
+def add_threads_flag(p: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
+    p.add_argument("--threads", type=thread_count, metavar="N", help=help)
+
+
+def set_threads(n: int | None) -> None:
+    """torch's intra-op threads for this process (None: torch's default, left alone)."""
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+PROGRESS_ENV = "PSD_PROGRESS_SECONDS"     # seconds between progress lines in a log (0: one per item)
+PROGRESS_SECONDS = 30.0
+
+
+class LogProgress:
+    """Progress for a log (stderr is no terminal): one line per report, `desc: n/total (p%) ...`,
+    the first at once, then at most one every `every` seconds, and the last when the work is done.
+    It takes the calls of the tqdm bar shown at a terminal (update, close, `with`)."""
+
+    def __init__(self, total: int, desc: str, every: float | None = None, file=None):
+        if every is None:
+            try:
+                every = float(os.environ.get(PROGRESS_ENV, PROGRESS_SECONDS))
+            except ValueError:
+                every = PROGRESS_SECONDS
+        self.total, self.desc, self.every, self.n = total, desc, every, 0
+        self.file = file if file is not None else sys.stderr
+        self.start = self.last = time.monotonic()
+        self._line(self.start)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.every or self.n >= self.total:
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        self.last = now
+        spent = now - self.start
+        done = f"{self.n}/{self.total} ({100 * self.n / max(self.total, 1):.0f}%)"
+        left = (f", ~{_duration(spent * (self.total - self.n) / self.n)} left"
+                if 0 < self.n < self.total and spent > 0 else "")
+        try:
+            print(f"{self.desc}: {done} {_duration(spent)}{left}", file=self.file, flush=True)
+        except (OSError, ValueError):       # a closed or full log never stops the work
+            pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s} s" if s < 120 else f"{s // 60} min {s % 60:02d} s"
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def progress(total: int, desc: str, quiet: bool = False):
+    """How a long command shows its progress on stderr: a tqdm bar at a terminal, `LogProgress`
+    lines when stderr is a file or a pipe (a log: a bar would be invisible or garbage there), nothing
+    with `quiet`. Use as `with progress(n, "what") as bar: ... bar.update()`."""
+    if quiet:
+        return _NoProgress()
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, desc=desc, file=sys.stderr)
+        except ImportError:
+            pass
+    return LogProgress(total, desc)
 
 
 def _option_help(o) -> str:

@@ -60,6 +60,16 @@ def test_prompt_from_file_and_stdin(ckpt, capsys, tmp_path, monkeypatch):
     assert a["token_ids"] == b["token_ids"] == c["token_ids"]
 
 
+def test_threads_set_torch_before_decoding(ckpt, capsys, monkeypatch):
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    base = ["t5 t6 t7", "--model", ckpt, "--gen-length", "8", "--block-length", "8", "--json"]
+    assert run(base, capsys)[0] == 0 and seen == []          # default: torch's own, as engine.serve
+    assert run([*base, "--threads", "1"], capsys)[0] == 0 and seen == [1]
+
+
 def test_chat_template(ckpt, capsys):
     code, out, _ = run(["t5", "--chat", "--model", ckpt, "--gen-length", "8", "--block-length", "8", "--json"], capsys)
     assert code == 0 and json.loads(out)["tokens"] >= 1

@@ -64,6 +64,26 @@ def test_plots_and_speculative_rows(tiny, tmp_path, capsys):
         assert (tmp_path / "fig" / f).stat().st_size > 1000
 
 
+def test_progress_lines_in_a_log_and_threads(tiny, tmp_path, capsys, monkeypatch):
+    """stderr is no terminal here (a log): each method's progress is lines, one per batch with
+    PSD_PROGRESS_SECONDS=0; --threads sets torch's threads before the weights are read."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    monkeypatch.setenv("PSD_PROGRESS_SECONDS", "0")
+    assert eval_main(["--model", str(tiny), "--task", "math", "--methods", "greedy", "--limit", "4", "--batch-size",
+                      "2", "--gen-length", "16", "--block-length", "16", "--threads", "1",
+                      "--out", str(tmp_path / "r.jsonl")]) == 0
+    assert seen == [1]
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in err] == ["greedy: problems: 0/4", "greedy: problems: 2/4",
+                                                     "greedy: problems: 4/4"]
+    assert eval_main(["--model", str(tiny), "--task", "math", "--methods", "greedy", "--limit", "2", "--gen-length",
+                      "16", "--block-length", "16", "--quiet", "--out", str(tmp_path / "q.jsonl")]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_parse_method_specs():
     assert parse_method("greedy") == ("greedy", {})
     assert parse_method("confidence:tau=0.8") == ("confidence", {"threshold": 0.8})

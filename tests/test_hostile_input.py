@@ -80,6 +80,20 @@ def test_stdin_not_utf8(ckpt):
     one_error_line(cli(["-"], ckpt, stdin=b"Question: \xff\xfe"), "not valid UTF-8")
 
 
+def test_endless_stdin_is_bounded_like_a_named_file(ckpt):
+    """/dev/zero on stdin is read up to the named files' bound (256 MiB), then one error line; the
+    child's address space is capped so that reading without a bound fails fast here, never the machine."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    argv = [sys.executable, "-m", "engine.generate", "--prompt-file", "-", "--model", str(ckpt)]
+    with open("/dev/zero", "rb") as zero:
+        res = subprocess.run(argv, cwd=ROOT, env=ENV, stdin=zero, capture_output=True, timeout=120, preexec_fn=cap)
+    one_error_line(res, "the prompt on stdin is too large: over 268435456 bytes")
+
+
 def test_broken_pipe_is_quiet(ckpt):
     cmd = f"{sys.executable} -m engine.generate 't5 t6' --model {ckpt} --gen-length 32 --block-length 8 | head -c 1"
     res = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=ENV, capture_output=True, timeout=120)

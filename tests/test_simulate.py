@@ -105,6 +105,10 @@ def test_simulate_command_is_labelled_a_projection(capsys, tmp_path):
     by = {(r["card"], r["method"]): float(r["projected_tokens_per_s"]) for r in rows}
     pol = next(m for c, m in by if "psd" not in m)
     assert by["h100-sxm", pol] > by["a100-80g", pol]                # more bandwidth, more tokens/s
+    # stderr is no terminal: progress lines; the policy and fixed-depth PSD decode once, the auto budget per card
+    lines = err.splitlines()
+    assert lines[0] == "simulate: decoded batches: 0/4 (0%) 0 s"
+    assert lines[-1].startswith("simulate: decoded batches: 4/4 (100%) ")
 
 
 def test_card_names_as_people_write_them(capsys):

@@ -173,6 +173,8 @@ def test_end_to_end_on_the_shipped_model(capsys, tmp_path):
     assert float(rows[0]["vs_greedy_min"]) == 1.0
     md = (tmp_path / "speed.md").read_text()
     assert "| batch | cache | method | tokens/s |" in md and md.strip() in out
+    lines = err.splitlines()            # stderr is no terminal: progress lines, the first at once, the last at the end
+    assert lines[0] == "speed: decodes: 0/6 (0%) 0 s" and lines[-1].startswith("speed: decodes: 6/6 (100%) ")
     assert json.loads((tmp_path / "speed.json").read_text())["rows"][2]["method"] == psd["method"]
 
 
@@ -205,6 +207,7 @@ def test_cost_curve_writes_the_profile(capsys, tmp_path):
     assert _last_json(out)["cost_profile"] == str(prof)
     rows = list(csv.DictReader(open(tmp_path / "o" / "cost_curve.csv")))
     assert len(rows) == 12 and all(r["device"] and r["command"] for r in rows)
+    assert err.splitlines()[-1].startswith("cost curve: points: 12/12 (100%) ")
 
 
 def test_cost_curve_rows_map_to_their_sequence_cache(monkeypatch):

@@ -1,0 +1,112 @@
+"""engine/frontend.py, what every command line shares: `--threads` on engine.generate and every bench
+command that computes, and progress that a log shows (lines on stderr when it is no terminal)."""
+from __future__ import annotations
+
+import importlib
+import io
+
+import pytest
+
+from engine import frontend
+from engine.frontend import LogProgress, progress
+from support import run_main
+
+# every command that runs torch
+THREADED = ["engine.cli", "bench.speed", "bench.eval", "bench.cache_agreement", "bench.arith_probe",
+            "bench.fingerprint", "bench.serve_load", "bench.bench_top1", "bench.bench_draft",
+            "bench.bench_sparse_attn", "bench.train"]
+
+
+@pytest.mark.parametrize("module", THREADED)
+def test_every_command_takes_threads(module, capsys):
+    main = importlib.import_module(module).main
+    rc, out, _ = run_main(main, ["--help"], capsys)
+    assert rc == 0 and "--threads N" in out
+    for bad in ("0", "-2", "two"):
+        rc, out, err = run_main(main, ["--threads", bad], capsys)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: argument --threads"), err
+
+
+def test_set_threads_sets_torch_and_none_leaves_it(monkeypatch):
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    frontend.set_threads(None)
+    frontend.set_threads(3)
+    assert seen == [3]
+
+
+def test_serve_load_hands_threads_to_the_servers_it_starts(monkeypatch, capsys):
+    from bench import serve_load
+
+    started = []
+
+    def start(model, flags, log):
+        started.append(flags)
+        raise KeyboardInterrupt          # stop before any server or request
+
+    monkeypatch.setattr(serve_load, "start_server", start)
+    with pytest.raises(KeyboardInterrupt):
+        serve_load.main(["--modes", "serial", "--threads", "1"])
+    assert started and started[0][started[0].index("--threads") + 1] == "1"
+
+
+def _lines(buf: io.StringIO) -> list[str]:
+    return buf.getvalue().splitlines()
+
+
+def test_log_progress_first_line_at_once_then_rate_limited_and_the_last(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(frontend.time, "monotonic", lambda: now[0])
+    buf = io.StringIO()
+    with LogProgress(5, "speed: decodes", every=30, file=buf) as bar:
+        assert _lines(buf) == ["speed: decodes: 0/5 (0%) 0 s"]      # a log shows what runs at once
+        for step in (10, 10, 15):                  # 10 s, 20 s: too soon; 35 s: a line
+            now[0] += step
+            bar.update()
+        assert _lines(buf)[1:] == ["speed: decodes: 3/5 (60%) 35 s, ~23 s left"]
+        now[0] += 1
+        bar.update()                               # 1 s after the last line: none
+        now[0] += 200
+        bar.update()                               # the last item: always a line
+    assert _lines(buf) == ["speed: decodes: 0/5 (0%) 0 s", "speed: decodes: 3/5 (60%) 35 s, ~23 s left",
+                           "speed: decodes: 5/5 (100%) 3 min 56 s"]
+
+
+def test_log_progress_every_zero_is_a_line_per_item_and_the_environment_sets_it(monkeypatch):
+    buf = io.StringIO()
+    bar = LogProgress(3, "x", every=0, file=buf)
+    for _ in range(3):
+        bar.update()
+    assert [line.split(" ")[1] for line in _lines(buf)] == ["0/3", "1/3", "2/3", "3/3"]
+    monkeypatch.setenv(frontend.PROGRESS_ENV, "0")
+    assert LogProgress(2, "y", file=io.StringIO()).every == 0
+    monkeypatch.setenv(frontend.PROGRESS_ENV, "soon")          # not a number: the default, no crash
+    assert LogProgress(2, "y", file=io.StringIO()).every == frontend.PROGRESS_SECONDS
+
+
+def test_log_progress_survives_a_closed_log():
+    buf = io.StringIO()
+    bar = LogProgress(2, "x", every=0, file=buf)
+    buf.close()
+    bar.update(2)                                  # the work goes on
+
+
+def test_progress_is_lines_in_a_log_a_bar_at_a_terminal_and_nothing_when_quiet(monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    with progress(2, "work") as bar:               # capsys: stderr is no terminal
+        bar.update(2)
+    assert capsys.readouterr().err.splitlines() == ["work: 0/2 (0%) 0 s", "work: 2/2 (100%) 0 s"]
+    with progress(2, "work", quiet=True) as bar:
+        bar.update(2)
+    assert capsys.readouterr().err == ""
+    tqdm = pytest.importorskip("tqdm")
+    monkeypatch.setattr("sys.stderr", Terminal())
+    bar = progress(2, "work")
+    assert isinstance(bar, tqdm.tqdm)
+    bar.close()
