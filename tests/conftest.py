@@ -3,7 +3,14 @@
 Without CUDA the Triton kernels run under Triton's interpreter, which triton.jit selects when
 the kernel modules are imported; the variable must therefore be set before anything imports
 triton, i.e. here, at conftest import. With CUDA nothing is forced: the same tests run compiled.
-The ``gpu`` marker tags tests that need CUDA; they are skipped without it.
+The ``gpu`` marker tags tests that need CUDA; they are skipped without it; ``slow`` tags the tests
+that ``python -m pytest -m "not slow"`` leaves out (README: what the suite costs).
+
+Every test process and every process a test starts runs torch on one intra-op thread (OMP_NUM_THREADS,
+read when torch loads; PSD_TEST_THREADS=N for another count): the tests' models are tiny, and on a
+busy CPU threads that wait for each other made the suite many times slower (on a loaded 2-core
+machine `tests/test_contracts.py -k "confidence and not localleap"` took 601 s with torch's 2 threads
+and 60 s with 1).
 """
 from __future__ import annotations
 
@@ -13,8 +20,13 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-import torch
+THREADS = int(os.environ.get("PSD_TEST_THREADS") or 1)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)      # before torch loads, here and in every child
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(THREADS)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -211,6 +211,7 @@ def test_json_files_keep_their_cap(small, tmp_path):
         load_model(d)
 
 
+@pytest.mark.slow
 def test_bench_load_memory_measures_a_load(small):
     """docs/models.md's memory table comes from this command: the child's peak covers the model."""
     r = subprocess.run([sys.executable, "-m", "bench.load_memory", "--model", str(small[1])],

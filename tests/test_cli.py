@@ -169,6 +169,7 @@ def test_subprocess_exit_status_and_no_traceback(ckpt, argv, msg):
 
 
 @pytest.mark.skipif(not (ROOT / "models" / "default" / "config.json").is_file(), reason="no shipped model")
+@pytest.mark.slow
 def test_no_arguments_answers_a_suite_question_with_the_shipped_model():
     """`python -m engine.generate` alone: the shipped model, its sample question, its canvas size."""
     p = subprocess.run([sys.executable, "-m", "engine.generate", "--json"], cwd=ROOT, capture_output=True, text=True,

@@ -49,6 +49,7 @@ def _crossings(result) -> int:
     return sum(len(b) > 1 for b in blocks.values())
 
 
+@pytest.mark.slow
 def test_exact_drafts_cross_the_block_boundary(model):
     """Over every policy of the table (its defaults): some kept draft commits tokens in two blocks,
     and none does without the option."""

@@ -287,6 +287,7 @@ def test_split_model_logits_equal_the_whole_model(ckpts, tmp_path):
 
 
 # ---------------------------------------------------------------------- (b) tokens, every method
+@pytest.mark.slow
 def test_split_model_decodes_the_same_tokens_for_every_method(ckpts, tmp_path):
     from engine.methods import METHODS
 
@@ -408,6 +409,7 @@ def _without_seconds(stdout: str) -> list[str]:
     return [line.split(" seconds=")[0] for line in stdout.splitlines()]
 
 
+@pytest.mark.slow
 def test_torchrun_generate_prints_what_one_process_prints(ckpts, tmp_path):
     argv = ["--model", ckpts["dream_gqa"], "--dtype", "float64", "--device", "cpu", "--method", "psd",
             "--cache", "dual", "--gen-length", "12", "--block-length", "4", "--prompt-file", "-"]
@@ -438,6 +440,7 @@ if __name__ == "__main__":
     _rank_main(sys.argv[1])
 
 
+@pytest.mark.slow
 def test_torchrun_serve_batches_continuously_as_one_process_answers(ckpts, tmp_path):
     """`torchrun -m engine.serve` (continuous batching, the default): rank 0 serves HTTP and runs
     the loop, rank 1 runs its model calls. A short request sent while a long one decodes joins

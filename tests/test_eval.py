@@ -36,6 +36,7 @@ def _check_table_against_jsonl(stdout: str, jsonl: Path, n: int):
 
 
 @pytest.mark.skipif(not (DEFAULT / "config.json").is_file(), reason="no shipped model")
+@pytest.mark.slow
 def test_eval_math_limit_50_table_matches_jsonl(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     assert eval_main(["--task", "math", "--methods", "greedy", "confidence", "--limit", "50", "--out", str(out),
@@ -122,6 +123,7 @@ def test_bad_eval_input(tiny, capsys):
     assert capsys.readouterr().err.startswith("error: ")
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_gather_one_result(tiny, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     common = ["--model", str(tiny), "--task", "math", "--methods", "greedy", "spiffy:d=3",

@@ -123,6 +123,7 @@ CKPT_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokeni
 
 @pytest.mark.parametrize("name", CKPT_FILES)
 @pytest.mark.parametrize("kind", ["fifo", "dev zero"])
+@pytest.mark.slow
 def test_checkpoint_file_that_is_a_fifo_or_a_device_is_one_error(ckpt, tmp_path, name, kind):
     d = _copy(ckpt, tmp_path / "m")
     if os.path.lexists(d / name):
@@ -190,6 +191,7 @@ def test_tokenizer_json_too_large_is_refused_unread(ckpt, tmp_path):
 
 # ---------------------------------------------------------------------- files named on the command line
 @pytest.mark.parametrize("kind", ["fifo", "dev zero", "too large"])
+@pytest.mark.slow
 def test_prompt_file_cost_profile_and_graph_are_checked(ckpt, tmp_path, kind):
     bad = {"fifo": lambda: fifo(tmp_path / "x"), "dev zero": lambda: Path("/dev/zero"),
            "too large": lambda: huge(tmp_path / "x")}[kind]()

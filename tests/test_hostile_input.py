@@ -57,10 +57,12 @@ def one_error_line(res, msg):
     (["t5", "--gen-length", "abc"], "invalid int value"),
     ([b"t5 \xff\xfe"], "not valid UTF-8"),
 ])
+@pytest.mark.slow
 def test_bad_flags(ckpt, args, msg):
     one_error_line(cli(args, ckpt), msg)
 
 
+@pytest.mark.slow
 def test_graph_files(ckpt, tmp_path):
     huge = tmp_path / "huge.json"
     huge.write_text(json.dumps([[]] + [[i % 32, 32 + i] for i in range(5000)]))
@@ -94,6 +96,7 @@ def test_endless_stdin_is_bounded_like_a_named_file(ckpt):
     one_error_line(res, "the prompt on stdin is too large: over 268435456 bytes")
 
 
+@pytest.mark.slow
 def test_broken_pipe_is_quiet(ckpt):
     cmd = f"{sys.executable} -m engine.generate 't5 t6' --model {ckpt} --gen-length 32 --block-length 8 | head -c 1"
     res = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=ENV, capture_output=True, timeout=120)

@@ -380,6 +380,7 @@ def test_unknown_fields_echoed_are_capped(server):
 
 
 # ------------------------------------------------------------------------------ 5. --port, --host
+@pytest.mark.slow
 def test_bad_port_or_host_is_one_error_line(tmp_path, monkeypatch, capsys):
     """Checked by binding before the model is read: exit status 2 and exactly one `error:` line on
     stderr, never a traceback or uvicorn's abort. Every case runs in-process through

@@ -72,6 +72,7 @@ def test_context_causal_model_and_plain_policies():
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.slow
 def test_cross_block_drafts_add_no_sync_per_step(backend, monkeypatch):
     """--cross-block drafts reach the next block (two rankings, the wider assembly, the reused
     output) and add no read per step. Between two calls there may now be a step, a block boundary
@@ -93,6 +94,7 @@ def test_cross_block_drafts_add_no_sync_per_step(backend, monkeypatch):
     assert max(counts) <= base + 3, counts
 
 
+@pytest.mark.slow
 def test_triton_backend_launchers_do_not_sync(monkeypatch):
     """Under the interpreter: every psd_kernels launcher (top-1, draft assembly, attention and the
     call's RowPlan) reads nothing back, and one attention kernel launch serves a layer."""
@@ -153,6 +155,7 @@ def test_the_counter_sees_every_kind_of_sync():
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.slow
 def test_one_attention_launch_per_layer_whatever_the_batch(backend, monkeypatch):
     """Every cached verification call makes exactly one shared_prefix_attention call per layer
     (and, on the Triton backend, one kernel launch), for 1 or 4 sequences and 2 or 8 nodes."""

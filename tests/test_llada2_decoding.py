@@ -116,6 +116,7 @@ def cases():
     return grid[:216]
 
 
+@pytest.mark.slow
 def test_threshold_and_editing_are_token_exact_against_diffusers():
     """216 configurations (block sizes, EOS-prone models, prompt lengths inside and at block boundaries,
     batches of 1-3 equal-length prompts, gen lengths that are and are not multiples of the block, steps

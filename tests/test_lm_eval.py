@@ -184,6 +184,7 @@ def _engine_texts(prompts: list[str], **options):
     return results, raw, [cut_at_stop(t, UNTIL) for t in raw]
 
 
+@pytest.mark.slow
 def test_generations_equal_the_engines(tasks_dir):
     out = _evaluate(tasks_dir, [TASK], {**OPTS, "batch_size": 2})
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
@@ -268,6 +269,7 @@ def test_single_token_target_is_exact():
     assert ll == pytest.approx(exact, abs=1e-5) and forwards == 2
 
 
+@pytest.mark.slow
 def test_estimate_converges_to_its_expectation_and_is_seeded():
     """The expectation of the estimator, enumerated over every mask of a 3-token target, is what
     the Monte-Carlo mean approaches as mc_num grows; equal seeds give equal estimates."""
@@ -360,6 +362,7 @@ def _cli(args, tmp_path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_runs_lm_evals_own_entry(tasks_dir, tmp_path):
     res = _cli(["--model", "psd", "--model_args", "method=psd,threshold=0.7,depth=2,cache=dual,block_length=16",
                 "--tasks", TASK, "--include_path", str(tasks_dir), "--limit", "2", "--device", "cpu",
@@ -373,6 +376,7 @@ def test_cli_runs_lm_evals_own_entry(tasks_dir, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_lm_evals_own_command_cannot_load_psd_as_the_docs_say(tasks_dir, tmp_path):
     """`lm_eval --model psd` cannot work: lm-eval's command imports nothing of ours and reads no
     plugin or entry point to find a model. docs/lm_eval.md quotes its error and says what to run."""
@@ -393,6 +397,7 @@ def test_lm_evals_own_command_cannot_load_psd_as_the_docs_say(tasks_dir, tmp_pat
     assert "`lm_eval --model psd --tasks T ...` becomes `python -m bench.lm_eval --model psd --tasks T ...`" in doc
 
 
+@pytest.mark.slow
 def test_cli_bad_model_args_exit_2(tasks_dir, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", sys.argv[:])        # main() hands its argv to lm-eval through sys.argv
     rc = adapter.main(["--model", "psd", "--model_args", "method=psd,bogus=3", "--tasks", TASK,

@@ -106,6 +106,7 @@ def _cli(args, cwd) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_gsm8k_local_runs_offline_end_to_end(tmp_path):
     res = _cli(["--model", "psd", "--model_args", "method=psd,threshold=0.7,depth=2,cache=dual,block_length=16",
                 "--tasks", "gsm8k_local", "--limit", "2", "--num_fewshot", "0", "--gen_kwargs", "max_gen_toks=16",
@@ -122,6 +123,7 @@ def test_gsm8k_local_runs_offline_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("task, suggestion", [("gsm8k", "use --tasks gsm8k_local"),
                                               ("mbpp", "use --tasks mbpp_local")])
+@pytest.mark.slow
 def test_standard_task_offline_is_one_error_line(task, suggestion, tmp_path):
     res = _cli(["--model", "psd", "--tasks", task, "--limit", "1", "--device", "cpu"], tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]

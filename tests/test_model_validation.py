@@ -486,6 +486,7 @@ CLI_CASES = {
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
+@pytest.mark.slow
 def test_cli_one_line_error_exit_2(pristine, tmp_path, case):
     which, edit, extra, words = CLI_CASES[case]
     d = _copy(pristine, tmp_path, which)

@@ -95,6 +95,7 @@ def test_wheel_carries_model_data_tasks_and_scripts(wheel):
         assert any(line.startswith(f"Requires-Dist: {name}") and "<" in line for line in metadata.splitlines()), bounded
 
 
+@pytest.mark.slow
 def test_installed_psd_generate_runs_from_anywhere(venv, tmp_path):
     py, bin_dir = venv / "bin" / "python", venv / "bin"
     where = _run([str(py), "-c", "import engine, models, bench, sys; print(engine.__file__); print(models.__file__); "
@@ -118,6 +119,7 @@ def test_installed_psd_generate_runs_from_anywhere(venv, tmp_path):
     assert res.returncode == 2 and res.stderr.count("error:") == 1 and "hub id" in res.stderr
 
 
+@pytest.mark.slow
 def test_console_scripts_name_themselves_in_their_usage(venv, tmp_path):
     for script in SCRIPTS:
         res = _run([str(venv / "bin" / script), "--help"], cwd=tmp_path)
@@ -126,6 +128,7 @@ def test_console_scripts_name_themselves_in_their_usage(venv, tmp_path):
         assert "python -m" not in res.stdout.split("\n\n", 1)[0]          # the usage paragraph
 
 
+@pytest.mark.slow
 def test_outputs_land_in_the_current_directory(venv, tmp_path):
     """psd-eval's default run directory and the microbenchmarks' CSVs: under the directory the
     command runs in, not in the installed package (site-packages/runs/ before)."""

@@ -53,6 +53,7 @@ def _run(args, tmp, env=None, check_rc=0):
     return p
 
 
+@pytest.mark.slow
 def test_cli_takes_a_plugin_module_file_and_env(setup):
     tmp, ckpt = setup
     base = ["engine.generate", "t5 t6", "--model", str(ckpt), "--gen-length", "16", "--block-length", "8", "--json"]
@@ -68,6 +69,7 @@ def test_cli_takes_a_plugin_module_file_and_env(setup):
     assert "leftfirst" in _run(["engine.generate", "--plugin", "my_policies", "--help"], tmp).stdout
 
 
+@pytest.mark.slow
 def test_a_missing_or_broken_plugin_is_one_error_line(setup):
     tmp, ckpt = setup
     p = _run(["engine.generate", "x", "--plugin", "no_such_module_xyz"], tmp, check_rc=2)
@@ -80,6 +82,7 @@ def test_a_missing_or_broken_plugin_is_one_error_line(setup):
     assert "plugin file" in p.stderr and "not found" in p.stderr
 
 
+@pytest.mark.slow
 def test_bench_eval_calibrate_speed_and_server_see_the_plugin(setup):
     tmp, ckpt = setup
     out = tmp / "eval.jsonl"

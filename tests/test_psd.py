@@ -298,6 +298,7 @@ DEFAULT = Path(__file__).resolve().parent.parent / "models" / "default"
 
 
 @pytest.mark.skipif(not (DEFAULT / "config.json").is_file(), reason="no shipped model")
+@pytest.mark.slow
 def test_lossless_on_the_shipped_model():
     from bench.tasks import get_task
     from models import Tokenizer

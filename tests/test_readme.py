@@ -84,6 +84,7 @@ def test_readme_has_the_two_commands():
 
 
 @pytest.mark.parametrize("lang,block", LOCAL, ids=[b.strip().splitlines()[0][:50] for _, b in LOCAL])
+@pytest.mark.slow
 def test_block_runs_as_written(lang, block, tmp_path):
     if not _script(block).strip():
         pytest.skip("only skipped lines: " + "; ".join(SKIP[p] for p in SKIP if p in block))
@@ -98,6 +99,7 @@ def _port_free() -> bool:
 
 
 @pytest.mark.skipif(not REMOTE, reason="the README shows no server example")
+@pytest.mark.slow
 def test_server_examples_run_as_written(tmp_path):
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
@@ -445,6 +447,7 @@ def console_scripts(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("block", DOC_RUN, ids=[f"{b.page}:{b.line}" for b in DOC_RUN])
+@pytest.mark.slow
 def test_doc_block_runs_as_written(block, console_scripts, tmp_path):
     script = _script(block.text)
     if not script.strip():

@@ -181,6 +181,7 @@ def _sample(probs, n=50, seed=15):
     return sorted(random.Random(seed).sample(probs, n), key=lambda p: p["task_id"])
 
 
+@pytest.mark.slow
 def test_mbpp_reference_solutions_sample_pass_and_swapped_ones_fail():
     """A fixed sample of 50 sanitized tasks plus the tasks with test_setup_code (367) and test_imports
     (82) pass with their reference solution; each sampled task fails with its neighbour's solution."""

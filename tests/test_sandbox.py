@@ -237,6 +237,7 @@ def test_batch_matches_individual_runs_and_survives_everything():
     assert run_python_batch([]) == []
 
 
+@pytest.mark.slow
 def test_batch_is_fast_for_many_programs():
     """A batch starts one interpreter: much cheaper than one run_python per
     program (each program still gets its own processes and namespaces)."""
@@ -627,6 +628,7 @@ FORGERIES = {
 
 @BOTH
 @pytest.mark.parametrize("name", list(FORGERIES))
+@pytest.mark.slow
 def test_forged_verdicts_do_not_pass(level, name):
     code = FORGERIES[name]
     r = run_python(code, timeout_s=3.0)
@@ -732,6 +734,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_isolation_works_with_the_interpreter_under_an_unreadable_home(private_python):
     """The namespace level (not a fallback) with an interpreter whose files
     only root can read: programs run under a uid of their own, import the
@@ -887,6 +890,7 @@ _HOOKS = {
 
 
 @pytest.mark.parametrize("name", list(_HOOKS))
+@pytest.mark.slow
 def test_planted_hooks_do_not_reach_the_record(name):
     """The program plants code where the harness might call it after the
     program (exception constructors, module functions and builtins,

@@ -532,5 +532,6 @@ def test_triton_bad_out(device):
                                             backend="triton")
 
 
+@pytest.mark.slow
 def test_compiles_for_sm90(compile_check):
     compile_check("sparse_attn")

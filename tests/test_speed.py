@@ -228,6 +228,7 @@ def test_cost_curve_rows_map_to_their_sequence_cache(monkeypatch):
 
 
 # ---------------------------------------------------------------------- the GPU report, dry
+@pytest.mark.slow
 def test_gpu_report_dry_run(tmp_path):
     out = tmp_path / "report"
     env = {**os.environ, "PYTHON": sys.executable}

