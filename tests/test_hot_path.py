@@ -112,10 +112,10 @@ def test_the_counter_sees_a_sync_in_attend(monkeypatch):
     counted in every layer of every cached call."""
     orig = transformer.attend
 
-    def attend_with_readback(q, k_own, v_own, own_mask, cache_kv=None, cache=None, all_own=False):
+    def attend_with_readback(q, k_own, v_own, own_mask, cache_kv=None, cache=None, all_own=False, **kw):
         if cache is not None and cache.row_map is not None:
             torch.bincount(cache.row_map, minlength=cache.key_mask.shape[0]).tolist()
-        return orig(q, k_own, v_own, own_mask, cache_kv, cache, all_own)
+        return orig(q, k_own, v_own, own_mask, cache_kv, cache, all_own, **kw)
 
     monkeypatch.setattr(transformer, "attend", attend_with_readback)
     prof, _ = profile(layers=3)
