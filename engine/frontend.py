@@ -100,7 +100,23 @@ PROGRESS_ENV = "PSD_PROGRESS_SECONDS"     # seconds between progress lines in a 
 PROGRESS_SECONDS = 30.0
 
 
-class LogProgress:
+class _NoProgress:
+    """Progress that shows nothing (`--quiet`); the calls every progress takes (update, close, `with`)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LogProgress(_NoProgress):
     """Progress for a log (stderr is no terminal): one line per report, `desc: n/total (p%) ...`,
     the first at once, then at most one every `every` seconds, and the last when the work is done.
     It takes the calls of the tqdm bar shown at a terminal (update, close, `with`)."""
@@ -133,14 +149,6 @@ class LogProgress:
         except (OSError, ValueError):       # a closed or full log never stops the work
             pass
 
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _duration(seconds: float) -> str:
@@ -148,18 +156,6 @@ def _duration(seconds: float) -> str:
     return f"{s} s" if s < 120 else f"{s // 60} min {s % 60:02d} s"
 
 
-class _NoProgress:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 def progress(total: int, desc: str, quiet: bool = False):
