@@ -138,6 +138,13 @@ class ServerProcess:
 
         return httpx.get(self.url + "/health", timeout=10).json()
 
+    def wait_running(self, rows: int = 1, timeout: float = 120) -> None:
+        """Until /health says at least `rows` sequences are decoding (a request sent is under way)."""
+        deadline = time.monotonic() + timeout
+        while self.health()["running"] < rows:
+            assert time.monotonic() < deadline, f"fewer than {rows} sequences started decoding in {timeout} s"
+            time.sleep(0.01)
+
     def get(self, path: str, key: str | None = None):
         import httpx
 

@@ -6,7 +6,6 @@ tests/test_serve.py::test_concurrent_load_is_batched_and_batch_invariant and tes
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -48,10 +47,7 @@ def _race(server):
 
     t_long = threading.Thread(target=ask, args=("long", LONG))
     t_long.start()
-    deadline = time.monotonic() + 120
-    while httpx.get(server.url + "/health", timeout=10).json()["running"] < 1:   # LONG is decoding
-        assert time.monotonic() < deadline, "the long request never started"
-        time.sleep(0.01)
+    server.wait_running()                 # LONG is decoding
     t_short = threading.Thread(target=ask, args=("short", SHORT))
     t_short.start()
     t_long.join(300)

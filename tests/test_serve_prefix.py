@@ -5,7 +5,6 @@ visible to the prefix-cache call's own keys on bidirectional models, and the joi
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -41,10 +40,7 @@ def test_a_short_request_joining_a_long_one_answers_as_alone(server):
 
     t_long = threading.Thread(target=ask, args=("long", LONG))
     t_long.start()
-    deadline = time.monotonic() + 120
-    while httpx.get(server.url + "/health", timeout=10).json()["running"] < 1:     # LONG is decoding
-        assert time.monotonic() < deadline, "the long request never started"
-        time.sleep(0.01)
+    server.wait_running()                 # LONG is decoding
     ask("short", SHORT)
     t_long.join(300)
     assert answers["short"].usage.batch_size == 2            # the premise: it decoded beside the long one
