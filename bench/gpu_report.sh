@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU must show, in one command (docs/gpu.md):
 #
-#   bash bench/gpu_report.sh OUT_DIR          # on a CUDA machine: budgets add up to 595 s
+#   bash bench/gpu_report.sh OUT_DIR          # on a CUDA machine: budgets add up to 580 s
 #   bash bench/gpu_report.sh --dry OUT_DIR    # the same sections on CPU, tiny shapes, reference and
 #                                             # interpreter paths (what CI runs)
 #
@@ -18,7 +18,8 @@
 # installed) and python with torch, triton, safetensors, tokenizers, pytest and tqdm.
 #
 # Environment: PYTHON (interpreter, default python), BUDGET_SCALE (multiplies every section's
-# time budget, default 1), CUDA_VISIBLE_DEVICES as usual.
+# time budget, default 1), ONLY (space-separated section names: run these alone, e.g. to rerun
+# the ones that failed; environment always runs), CUDA_VISIBLE_DEVICES as usual.
 set -u
 
 usage() { echo "usage: bash bench/gpu_report.sh [--dry] OUT_DIR" >&2; exit 2; }
@@ -54,6 +55,7 @@ fi
 # section NAME BUDGET_SECONDS COMMAND...: runs COMMAND under `timeout`, output to logs/NAME.log
 section() {
     local name=$1 budget=$2; shift 2
+    [[ -n "${ONLY:-}" && $name != environment && " $ONLY " != *" $name "* ]] && return 0
     budget=$(awk -v b="$budget" -v s="$SCALE" 'BEGIN { printf "%d", b * s }')
     local log="$OUT/logs/$name.log" t0 rc status
     t0=$(date +%s)
@@ -139,32 +141,36 @@ METHODS=(greedy confidence psd:policy=confidence,d=1 psd:policy=confidence,d=3 s
 if [[ $SKIP_ALL -eq 1 ]]; then
     :
 elif [[ $DRY -eq 0 ]]; then
-    # ------------------------------------------------------------ GPU: budgets sum to 595 s
+    # ------------------------------------------------------------ GPU: budgets sum to 580 s (438 s used on an H200 at BUDGET_SCALE=0.9)
     # (MoE: the Triton-vs-reference cases and the model-sized ones; its other tests check inputs)
-    section kernel_tests 180 "$PY" -m pytest tests/test_top1.py tests/test_draft.py tests/test_sparse_attn.py \
+    # about 490 tests, most compiling their own kernel specialisation: compile in parallel where xdist is there
+    XDIST=$("$PY" -c 'import xdist' > /dev/null 2>&1 && echo "-n 8" || true)
+    section kernel_tests 150 "$PY" -m pytest $XDIST tests/test_top1.py tests/test_draft.py tests/test_sparse_attn.py \
         tests/test_moe.py::test_matches_reference tests/test_moe.py::test_model_sized_bf16 \
         -q -o addopts= -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml"
-    section bench_top1 25 bench_kernel top1 bench.bench_top1 --rows 32 256 1024 --vocab 126464 152064 \
+    section bench_top1 15 bench_kernel top1 bench.bench_top1 --rows 32 256 1024 --vocab 126464 152064 \
         --dtype bfloat16
     section bench_draft 15 bench_kernel draft bench.bench_draft --rows 1 64 512 --nodes 8 32
-    section sparse_attn_llada_8b 40 bench_kernel sparse_attn_llada_8b bench.bench_sparse_attn \
-        --drafts 1 2 4 8 16 --shared 512 1024 4096 --heads 32 --kv-heads 32 --head-dim 128 --block 32 --dtype bfloat16
-    section sparse_attn_dream_7b 40 bench_kernel sparse_attn_dream_7b bench.bench_sparse_attn \
-        --drafts 1 2 4 8 16 --shared 512 1024 4096 --heads 28 --kv-heads 4 --head-dim 128 --block 32 --dtype bfloat16
+    # FlexAttention compiles per shape (about 7 s each on an H200): it is timed while its 10 s last
+    section sparse_attn_llada_8b 60 bench_kernel sparse_attn_llada_8b bench.bench_sparse_attn --flex-budget 10 \
+        --drafts 1 2 4 8 16 --shared 1024 4096 --heads 32 --kv-heads 32 --head-dim 128 --block 32 --dtype bfloat16
+    section sparse_attn_dream_7b 60 bench_kernel sparse_attn_dream_7b bench.bench_sparse_attn --flex-budget 10 \
+        --drafts 1 2 4 8 16 --shared 1024 4096 --heads 28 --kv-heads 4 --head-dim 128 --block 32 --dtype bfloat16
     section bench_moe 20 bench_kernel moe bench.bench_moe --shape llada2-mini --tokens 1 64 2048 --dtype bfloat16
     for shape in llada-8b dream-7b; do
-        section "cost_curve_${shape//-/_}" 40 "$PY" -m bench.speed --cost-curve --shape "$shape" --dtype bfloat16 \
+        section "cost_curve_${shape//-/_}" 45 "$PY" -m bench.speed --cost-curve --shape "$shape" --dtype bfloat16 \
             --prefix 512 1024 4096 --rows 1 2 4 8 16 32 --block-length 32 --out "$OUT/cost_${shape//-/_}" --quiet
     done
-    section end_to_end 90 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
-        --batch-sizes 1 32 --num-prompts 8 32 --cache none dual --gen-length 64 --repeats 3 --dtype bfloat16 \
+    section end_to_end 100 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
+        psd:policy=confidence,d=3,draft_budget=auto --batch-sizes 1 8 --num-prompts 4 8 --cache none dual \
+        --gen-length 64 --repeats 2 --dtype bfloat16 \
         --out "$OUT/end_to_end" --quiet
     # one GPU (TP=1): the same static-rows PSD eager and replayed from CUDA graphs (engine/graphs.py, never
     # run on a GPU before this report); the confidence policy and its static-rows/graphs twin are the baselines.
     # GPU only: --cuda-graphs is an error on CPU (its padding path runs on CPU in tests/test_cuda_graphs.py)
-    section cuda_graphs 90 "$PY" -m bench.speed --model models/default --methods confidence \
+    section cuda_graphs 60 "$PY" -m bench.speed --model models/default --methods confidence \
         psd:policy=confidence,d=3,static_rows=true psd:policy=confidence,d=3,static_rows=true,cuda_graphs=true \
-        --batch-sizes 1 32 --num-prompts 8 32 --cache none dual --gen-length 64 --repeats 3 --dtype bfloat16 \
+        --batch-sizes 1 8 --num-prompts 4 8 --cache none dual --gen-length 64 --repeats 3 --dtype bfloat16 \
         --out "$OUT/cuda_graphs" --quiet
 else
     # ------------------------------------------------------------ dry: same sections, tiny shapes, CPU

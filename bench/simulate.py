@@ -27,12 +27,23 @@ bf16 FLOP/s F from the vendor datasheet, `CARDS`):
                 + tokens·layers·(17d + 6q + 6kv + 6I)   activations: every op reads its input and writes its output once
                 + 2·n·O·V )                       logits written, then read by top-1
     flops   = 2·W_body·tokens + 2·d·V·n·O + 4·layers·H·D·n·T·(P + T)
-    ms      = max(bytes / BW, flops / F) + overhead     (overhead: --call-overhead-ms, default 0.5)
+    ms      = max(max(bytes / BW, flops / F) / efficiency, layers · host) + overhead
 
 with W_body the parameters of the transformer blocks and the final norm, q = H·D, kv = Hkv·D,
-I the MLP width. The overhead is an assumption (launches not hidden behind the GPU work, the
-step's host read, top-1, drafting and selection), not a measurement. A roofline is a bound:
-real kernels reach some fraction of it (bandwidth-bound GEMV-like calls typically 60-85%).
+I the MLP width. The three constants were measured on an NVIDIA H200 (2026-11-26,
+`python -m bench.profile_call --shape llada-8b|dream-7b --rows 1 16`, docs/gpu.md):
+
+    efficiency  --kernel-efficiency, default 0.43: the call's kernels took 2.2-2.5x the roofline
+                (8.0 ms against 3.27 at one row of LLaDA-8B, 17.3 against 7.9 at 16 rows)
+    host        --host-ms-per-layer, default 0.87: the eager forward is launch-bound, about 40
+                kernels per layer issued from Python (27.9 ms for LLaDA-8B's 32 layers, 24.7 ms
+                for Dream-7B's 28, one row); the GPU works while the host issues, so the call
+                takes the larger of the two. 0 stands for a call replayed from a CUDA graph
+    overhead    --call-overhead-ms, default 1.0: what a replayed call costs beyond its kernels
+                (graph replay 9.0 ms against 8.0 of kernels at one row, 18.5 against 17.3 at 16)
+
+The projection before any GPU ran assumed efficiency 1, no host term and 0.5 ms: it put one
+LLaDA-8B call at 3.8 ms where the card took 27.9 ms eager and 9.0 ms replayed.
 
 Projected tokens/s of a method = tokens / Σ_calls ms(call). By construction, a plain policy at
 batch 1 with no cache runs every call as one row over its prompt's whole canvas, so for one
@@ -61,7 +72,9 @@ from engine.config import spec_label
 from engine.cost import CostModel
 
 TITLE = "PROJECTION (not a measurement)"
-OVERHEAD_MS = 0.5
+OVERHEAD_MS = 1.0           # measured: CUDA-graph replay beyond the kernels (see the module docstring)
+EFFICIENCY = 0.43           # measured: roofline / the call's kernel time on an H200
+HOST_MS_PER_LAYER = 0.87    # measured: the eager forward's host issue time per layer on the H200's host
 
 
 @dataclass(frozen=True)
@@ -122,9 +135,12 @@ class Call:
 
 
 # ---------------------------------------------------------------------- the roofline
-def roofline_ms(bytes_moved: float, flops: float, c: Card, overhead_ms: float = OVERHEAD_MS) -> float:
-    """max(bytes / bandwidth, flops / peak) + overhead, in milliseconds."""
-    return max(bytes_moved / (c.hbm_gbps * 1e9), flops / (c.bf16_tflops * 1e12)) * 1e3 + overhead_ms
+def roofline_ms(bytes_moved: float, flops: float, c: Card, overhead_ms: float = OVERHEAD_MS,
+                efficiency: float = 1.0, host_ms: float = 0.0) -> float:
+    """max(max(bytes / bandwidth, flops / peak) / efficiency, host_ms) + overhead, in milliseconds
+    (the defaults of `efficiency` and `host_ms` give the plain roofline)."""
+    kernels = max(bytes_moved / (c.hbm_gbps * 1e9), flops / (c.bf16_tflops * 1e12)) * 1e3 / efficiency
+    return max(kernels, host_ms) + overhead_ms
 
 
 def body_params(mc) -> int:
@@ -146,8 +162,10 @@ def call_flops(mc, call: Call) -> float:
     return 2 * body_params(mc) * tokens + 2 * mc.hidden_size * mc.vocab_size * call.rows * call.out + attn
 
 
-def call_ms(mc, call: Call, c: Card, elem: int = 2, overhead_ms: float = OVERHEAD_MS) -> float:
-    return roofline_ms(call_bytes(mc, call, elem), call_flops(mc, call), c, overhead_ms)
+def call_ms(mc, call: Call, c: Card, elem: int = 2, overhead_ms: float = OVERHEAD_MS, efficiency: float = 1.0,
+            host_ms_per_layer: float = 0.0) -> float:
+    return roofline_ms(call_bytes(mc, call, elem), call_flops(mc, call), c, overhead_ms, efficiency,
+                       host_ms_per_layer * mc.num_layers)
 
 
 def bandwidth_bound(mc, call: Call, c: Card, elem: int = 2) -> bool:
@@ -213,7 +231,8 @@ def decodes(specs, cards: list[str], prompts: int, batch: int, **run) -> int:
 
 
 def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch: int, gen_length: int,
-             block_length: int, elem: int, overhead_ms: float, profile=None, bar=None) -> list[dict]:
+             block_length: int, elem: int, overhead_ms: float, profile=None, bar=None, efficiency: float = 1.0,
+             host_ms_per_layer: float = 0.0) -> list[dict]:
     """Decode `prompts` with every method spec (name, opts) on this machine, recording every call,
     and project each method's tokens/s on every card. `target`: the ModelConfig the roofline
     costs; `profile`: a cost-profile path used instead of the roofline; `bar`: a progress bar
@@ -236,7 +255,7 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
                 return cm.ms(call.rows)
         else:
             def cost(call, c=c):
-                return call_ms(target, call, c, elem, overhead_ms)
+                return call_ms(target, call, c, elem, overhead_ms, efficiency, host_ms_per_layer)
         base_tps = None
         for mname, opts in specs:
             cfg = method_config(mname, opts, gen_length=gen_length, block_length=block_length, cache=cache)
@@ -319,6 +338,15 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     overhead = OVERHEAD_MS if args.overhead_ms is None else args.overhead_ms
     if args.overhead_ms is not None and args.cost_profile:
         raise InputError("--call-overhead-ms applies to the roofline, not to a measured --cost-profile")
+    eff = EFFICIENCY if args.kernel_efficiency is None else args.kernel_efficiency
+    if not (math.isfinite(eff) and 0 < eff <= 1):
+        raise InputError(f"--kernel-efficiency must be in (0, 1], got {eff}")
+    host = HOST_MS_PER_LAYER if args.host_ms_per_layer is None else args.host_ms_per_layer
+    if not (math.isfinite(host) and host >= 0):
+        raise InputError(f"--host-ms-per-layer must be finite and >= 0, got {host}")
+    if args.cost_profile and (args.kernel_efficiency is not None or args.host_ms_per_layer is not None):
+        raise InputError("--kernel-efficiency and --host-ms-per-layer apply to the roofline, not to a measured "
+                         "--cost-profile")
     specs = [parse_method(s) for s in (args.methods or DEFAULT_SIMULATE_METHODS)]
     model_dir = Path(args.model or DEFAULT_MODEL_DIR)
     from models import CheckpointError
@@ -354,11 +382,12 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     with progress(total, "simulate: decoded batches", args.quiet) as bar:
         for gl, cache, b in runs:
             rows += simulate(model, specs, prompts, cards, target, cache, b, gl, args.block_length, elem,
-                             overhead, args.cost_profile, bar)
+                             overhead, args.cost_profile, bar, eff, host)
     seconds = time.perf_counter() - t0
     cost_text = (f"measured cost curve {args.cost_profile} (ms of a call of n canvases)" if args.cost_profile else
                  f"roofline at the {target_name} shape ({target.parameter_count() / 1e9:.2f}B parameters, "
-                 f"{args.dtype}, {elem} bytes per element) + {overhead:g} ms fixed per call")
+                 f"{args.dtype}, {elem} bytes per element) at {eff:g} efficiency, the larger of that and "
+                 f"{host:g} ms of host issue per layer, + {overhead:g} ms per call")
     card_text = "; ".join(f"{k}: {CARDS[k].label}, {CARDS[k].hbm_gbps:g} GB/s, {CARDS[k].bf16_tflops:g} TFLOP/s "
                           f"dense bf16 ({CARDS[k].source})" for k in cards)
     header = (f"**{TITLE}.** Cost of each call: {cost_text}. Cards: {card_text}.\n\n"

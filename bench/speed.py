@@ -541,7 +541,14 @@ def build_parser() -> Parser:
     p.add_argument("--cost-profile", metavar="PATH",
                    help="--simulate: cost of a call from a bench.speed --cost-curve profile instead of the roofline")
     p.add_argument("--call-overhead-ms", dest="overhead_ms", type=float,
-                   help="--simulate: fixed cost added to every roofline call (default: 0.5, an assumption)")
+                   help="--simulate: fixed cost added to every roofline call (default 1.0: CUDA-graph replay "
+                        "beyond the kernels, measured on an H200)")
+    p.add_argument("--kernel-efficiency", type=float,
+                   help="--simulate: the fraction of the roofline the call's kernels reach (default 0.43, measured "
+                        "on an H200)")
+    p.add_argument("--host-ms-per-layer", type=float,
+                   help="--simulate: host time to issue one layer of an eager call; the call takes the larger of "
+                        "it and the kernels (default 0.87, measured on an H200's host; 0: CUDA-graph replay)")
     p.add_argument("--out", help="output directory (default: a fresh runs/speed-<time>/)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar at a terminal, else a line "
                                                          "every 30 s, $PSD_PROGRESS_SECONDS)")
@@ -573,8 +580,10 @@ def _check_args(args) -> None:
         check_regular(args.prompts, "prompt file", InputError)
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise InputError(f"--out {args.out} exists and is not a directory")
-    if (args.cost_profile or args.overhead_ms is not None) and not args.simulate:
-        raise InputError(f"{'--cost-profile' if args.cost_profile else '--call-overhead-ms'} applies to --simulate only")
+    for flag, value in (("--cost-profile", args.cost_profile), ("--call-overhead-ms", args.overhead_ms),
+                        ("--kernel-efficiency", args.kernel_efficiency), ("--host-ms-per-layer", args.host_ms_per_layer)):
+        if value is not None and not args.simulate:
+            raise InputError(f"{flag} applies to --simulate only")
     if args.cost_profile_out is not None:
         check_output_file(Path(args.cost_profile_out), "--cost-profile-out", args.overwrite, args.cost_curve)
 

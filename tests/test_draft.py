@@ -93,9 +93,9 @@ def test_rank_positions_naive(backend, data):
         assert order[b].tolist() == sigma + [-1] * (L - len(sigma))
 
 
-def test_rank_positions_tie_rule_example():
-    conf = torch.tensor([[0.5, 0.9, 0.5, 0.9, 0.1, 0.99]])
-    masked = torch.tensor([[True, True, True, True, True, False]])  # 0.99 is not masked: never ranked
+def test_rank_positions_tie_rule_example(device):
+    conf = torch.tensor([[0.5, 0.9, 0.5, 0.9, 0.1, 0.99]], device=device)
+    masked = torch.tensor([[True, True, True, True, True, False]], device=device)  # 0.99 is not masked: never ranked
     for backend in BACKENDS:
         order, n = psd_kernels.rank_positions(conf, masked, backend=backend)
         assert order.tolist() == [[1, 3, 0, 2, 4, -1]] and n.tolist() == [5]
@@ -237,9 +237,9 @@ def test_position_ranks_naive(backend, data):
         assert ranks[b].tolist() == [sigma.index(i) if masked[b, i] else -1 for i in range(L)]
 
 
-def test_position_ranks_tie_rule_example():
-    conf = torch.tensor([[0.5, 0.9, 0.5, 0.9, 0.1, 0.99]])
-    masked = torch.tensor([[True, True, True, True, True, False]])  # 0.99 is not masked: never ranked
+def test_position_ranks_tie_rule_example(device):
+    conf = torch.tensor([[0.5, 0.9, 0.5, 0.9, 0.1, 0.99]], device=device)
+    masked = torch.tensor([[True, True, True, True, True, False]], device=device)  # 0.99 is not masked: never ranked
     for backend in BACKENDS:
         ranks, n = psd_kernels.position_ranks(conf, masked, backend=backend)
         assert ranks.tolist() == [[2, 0, 3, 1, 4, -1]] and n.tolist() == [5]

@@ -33,6 +33,24 @@ def prompt():
 
 
 # ---------------------------------------------------------------------- the roofline
+def test_default_constants_reproduce_the_h200_measurement():
+    """The CLI's defaults (bench/simulate.py's docstring) against docs/gpu/h200-2026-11-26/profile_call_*.txt:
+    one verification call of 1 and 16 draft rows, dual cache, prefix 512, block 32, bf16 on an H200."""
+    from bench.speed import shape_config
+
+    h200 = sim.card("h200")
+    for shape, measured in (("llada-8b", {1: (27.88, 8.97), 16: (30.96, 18.49)}),
+                            ("dream-7b", {1: (24.65, 8.44), 16: (32.18, 17.57)})):
+        mc = shape_config(shape)
+        for rows, (eager, replay) in measured.items():
+            call = Call(rows=rows, tokens=32, cached=512, cache_rows=1, out=32)
+            kw = dict(overhead_ms=sim.OVERHEAD_MS, efficiency=sim.EFFICIENCY)
+            got = sim.call_ms(mc, call, h200, 2, host_ms_per_layer=sim.HOST_MS_PER_LAYER, **kw)
+            assert got == pytest.approx(eager, rel=0.25), (shape, rows, "eager")
+            assert sim.call_ms(mc, call, h200, 2, host_ms_per_layer=0, **kw) == pytest.approx(replay, rel=0.1)
+            assert sim.call_ms(mc, call, h200, 2, overhead_ms=0) < replay / 2      # the plain roofline: far under
+
+
 def test_roofline_is_the_larger_bound_plus_overhead():
     c = Card("test", hbm_gbps=1000, bf16_tflops=100, source="-")
     assert sim.roofline_ms(2e9, 1e11, c, 0.5) == pytest.approx(2.0 + 0.5)      # 2 GB at 1 TB/s: 2 ms
@@ -91,8 +109,10 @@ def test_a_measured_cost_profile_replaces_the_roofline(shipped, prompt, tmp_path
 
 
 def test_simulate_command_is_labelled_a_projection(capsys, tmp_path):
+    # --host-ms-per-layer 0 (calls replayed from CUDA graphs): eager calls are host-bound and cost the same on both
     rc, out, err = _speed(["--simulate", "h100-sxm", "a100-80g", "--shape", "llada-8b", "--num-prompts", "1",
-                             "--gen-length", "32", "--threads", "1", "--out", str(tmp_path / "o")], capsys)
+                             "--gen-length", "32", "--threads", "1", "--host-ms-per-layer", "0",
+                             "--out", str(tmp_path / "o")], capsys)
     assert rc == 0, err
     assert out.startswith(f"## {TITLE}")
     md = (tmp_path / "o" / "projection.md").read_text()
@@ -123,6 +143,10 @@ def test_card_names_as_people_write_them(capsys):
     (["--simulate", "h101"], "unknown card 'h101'"),
     (["--simulate", "h100-sxm", "--cost-curve"], "does not combine with --cost-curve"),
     (["--simulate", "h100-sxm", "--call-overhead-ms", "-1"], "--call-overhead-ms must be"),
+    (["--simulate", "h100-sxm", "--kernel-efficiency", "0"], "--kernel-efficiency must be in"),
+    (["--simulate", "h100-sxm", "--kernel-efficiency", "1.5"], "--kernel-efficiency must be in"),
+    (["--simulate", "h100-sxm", "--host-ms-per-layer", "nan"], "--host-ms-per-layer must be"),
+    (["--host-ms-per-layer", "1"], "--host-ms-per-layer applies to --simulate only"),
     (["--cost-profile", "x.json"], "applies to --simulate only"),
     (["--simulate", "h100-sxm", "--cost-profile", "/nonexistent.json"], "cost profile"),
     (["--simulate", "h100-sxm", "--methods", "psd:zz=1"], "zz"),

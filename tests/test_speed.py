@@ -228,6 +228,18 @@ def test_cost_curve_rows_map_to_their_sequence_cache(monkeypatch):
 
 
 # ---------------------------------------------------------------------- the GPU report, dry
+def test_gpu_report_only_reruns_the_named_sections(tmp_path):
+    """ONLY=... (a rerun of the sections that failed on the card): those and the environment, nothing else."""
+    out = tmp_path / "report"
+    env = {**os.environ, "PYTHON": sys.executable, "ONLY": "bench_draft"}
+    res = subprocess.run(["bash", str(REPO / "bench" / "gpu_report.sh"), "--dry", str(out)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sections = list(csv.DictReader(open(out / "sections.tsv"), delimiter="\t"))
+    assert [(s["section"], s["status"]) for s in sections] == [("environment", "ok"), ("bench_draft", "ok")]
+    assert "All sections passed." in (out / "summary.md").read_text()
+
+
 @pytest.mark.slow
 def test_gpu_report_dry_run(tmp_path):
     out = tmp_path / "report"

@@ -312,8 +312,8 @@ def test_float64_logits_take_the_reference_path(device):
     x = make_logits((3, 40), torch.float64, gen, device)
     ids, conf = psd_kernels.top1(x, 2, backend="triton")
     assert conf.dtype == torch.float64
-    want = reference.top1(x.cpu(), 2)
-    assert torch.equal(ids.cpu(), want[0]) and torch.equal(conf.cpu(), want[1])
+    want = reference.top1(x, 2)     # on x's device: CUDA's float64 softmax differs from the CPU's in the last bit
+    assert torch.equal(ids, want[0]) and torch.equal(conf, want[1])
 
 
 def test_unknown_backend():
