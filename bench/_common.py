@@ -119,16 +119,22 @@ def write_csv(bench: str, rows: list[dict], device: torch.device) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = device_name(device)
     stamp = {"device": name, **versions(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    path = RESULTS / f"{bench}_{'cpu' if device.type == 'cpu' else slug(name)}.csv"
+    write_rows(path, rows, stamp)
+    return path
+
+
+def write_rows(path: Path, rows: list[dict], stamp: dict) -> None:
+    """CSV of `rows`, each followed by the `stamp` columns (device, versions, command, ...); the
+    columns are every key in order of first appearance."""
     full = [{**row, **stamp} for row in rows]
     fields: list[str] = []
     for row in full:
         fields += [k for k in row if k not in fields]
-    path = RESULTS / f"{bench}_{'cpu' if device.type == 'cpu' else slug(name)}.csv"
-    with open(path, "w", newline="") as f:
+    with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(full)
-    return path
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
-from engine.config import spec_label
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, add_threads_flag, guarded,
                              plugins_loaded, progress, set_threads)
-from engine.options import resolve, spellings
+from engine.options import OPTIONS, RUNTIME, resolve, spellings
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
 
 from .tasks import TASKS, get_task
@@ -47,6 +46,19 @@ def parse_method(spec: str) -> tuple[str, dict]:
         option = resolve(key.strip())
         opts[option.name] = option.parse(val)
     return name.strip(), opts
+
+
+def spec_label(cfg: DecodeConfig, spec_options: dict) -> str:
+    """A method spec's label in benchmark tables: `cfg.describe()`, then the general options the
+    spec gave itself (`psd:cache=dual,min_tokens=8` -> `psd(...)[cache=dual,min_tokens=8]`), so two
+    specs of one run that differ only in those are two rows, not one merged row."""
+    own = [f"{name}={_value(v)}" for name, v in sorted(spec_options.items())
+           if name in OPTIONS and OPTIONS[name].general and name not in RUNTIME]
+    return cfg.describe() + (f"[{','.join(own)}]" if own else "")
+
+
+def _value(v) -> str:
+    return str(int(v)) if isinstance(v, bool) else str(v)
 
 
 def method_config(name: str, opts: dict, **run) -> DecodeConfig:

@@ -37,7 +37,8 @@ from models import DTYPES, position_ids
 
 from ._common import THREADS_HELP, bench_threads, device_name, versions
 from .simulate import CARDS, Call, call_ms, card_key
-from .speed import SHAPES, build_random, random_prompts, shape_config, time_call
+from .speed import time_call
+from .workload import SHAPES, build_random, random_prompts, shape_config
 
 
 def _sync(device: torch.device) -> None:

@@ -35,7 +35,7 @@ I the MLP width. The three constants were measured on an NVIDIA H200 (2026-11-26
 
     efficiency  --kernel-efficiency, default 0.43: the call's kernels took 2.2-2.5x the roofline
                 (8.0 ms against 3.27 at one row of LLaDA-8B, 17.3 against 7.9 at 16 rows)
-    host        --host-ms-per-layer, default 0.87: the eager forward is launch-bound, about 40
+    host        --host-ms-per-layer, default 0.87: the eager forward is launch-bound, about 45
                 kernels per layer issued from Python (27.9 ms for LLaDA-8B's 32 layers, 24.7 ms
                 for Dream-7B's 28, one row); the GPU works while the host issues, so the call
                 takes the larger of the two. 0 stands for a call replayed from a CUDA graph
@@ -67,14 +67,22 @@ from pathlib import Path
 
 import torch
 
-from engine import DecodeConfig, Decoder, InputError
-from engine.config import spec_label
-from engine.cost import CostModel
+from engine import DecodeConfig, Decoder, InputError, aggregate
+from engine.config import check_prompts
+from engine.cost import CostModel, read_profile
+from engine.frontend import DEFAULT_MODEL_DIR, progress
+from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, load_model
+
+from ._common import write_rows
+from .eval import method_config, parse_method, spec_label
+from .workload import checkpoint_prompts, fit_length, shape_config
 
 TITLE = "PROJECTION (not a measurement)"
 OVERHEAD_MS = 1.0           # measured: CUDA-graph replay beyond the kernels (see the module docstring)
 EFFICIENCY = 0.43           # measured: roofline / the call's kernel time on an H200
 HOST_MS_PER_LAYER = 0.87    # measured: the eager forward's host issue time per layer on the H200's host
+# the methods projected by default: the policy alone, PSD at a fixed depth, PSD with the draft budget chosen for the card
+DEFAULT_METHODS = ["confidence", "psd:policy=confidence,d=3", "psd:policy=confidence,d=3,draft_budget=auto"]
 
 
 @dataclass(frozen=True)
@@ -223,8 +231,6 @@ def _budget_cost(cost, cache, mc_acc, prompt_width, gen_length, block_length, ba
 def decodes(specs, cards: list[str], prompts: int, batch: int, **run) -> int:
     """Batches `simulate` decodes (`run`: gen_length, block_length, cache): every spec once, one
     with `draft_budget=auto` once per card (it chooses for the card)."""
-    from .eval import method_config
-
     auto = [method_config(name, opts, **run).draft_budget == "auto" for name, opts in specs]
     once = {(name, json.dumps(opts, sort_keys=True, default=str)) for (name, opts), a in zip(specs, auto) if not a}
     return (len(once) + sum(auto) * len(cards)) * math.ceil(prompts / batch)
@@ -237,8 +243,6 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
     and project each method's tokens/s on every card. `target`: the ModelConfig the roofline
     costs; `profile`: a cost-profile path used instead of the roofline; `bar`: a progress bar
     told of every decoded batch (`decodes` counts them)."""
-    from .eval import method_config
-
     mc_acc = model.config
     width = max(len(p) for p in prompts)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
@@ -246,8 +250,6 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
     for name in cards:
         c = card(name)
         if profile is not None:
-            from engine.cost import read_profile
-
             curves = read_profile(profile)
             cm = CostModel.from_profile(profile, cache, block_length, width, curves)
 
@@ -274,8 +276,6 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
                             bar.update(1)
                 finally:
                     trace.remove()
-                from engine import aggregate
-
                 got = (aggregate(results), trace.calls, dec.budget.chosen if dec.budget is not None else None)
                 if not auto:
                     decoded[key] = got
@@ -323,13 +323,6 @@ def markdown(rows: list[dict], header: str) -> str:
 
 def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name: str) -> int:
     """The --simulate mode of bench.speed (args: its parsed command line)."""
-    from models import DTYPES, ModelConfig, Tokenizer, load_model
-
-    from .eval import parse_method
-    from .speed import DEFAULT_SIMULATE_METHODS, checkpoint_prompts, fit_length, shape_config, write_csv
-    from engine.frontend import DEFAULT_MODEL_DIR, progress
-    from engine.config import check_prompts
-
     cards = list(dict.fromkeys(card_key(name) for name in args.simulate))
     if args.cost_curve:
         raise InputError("--simulate projects from a roofline or --cost-profile; it does not combine with --cost-curve")
@@ -347,24 +340,18 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     if args.cost_profile and (args.kernel_efficiency is not None or args.host_ms_per_layer is not None):
         raise InputError("--kernel-efficiency and --host-ms-per-layer apply to the roofline, not to a measured "
                          "--cost-profile")
-    specs = [parse_method(s) for s in (args.methods or DEFAULT_SIMULATE_METHODS)]
+    specs = [parse_method(s) for s in (args.methods or DEFAULT_METHODS)]
     model_dir = Path(args.model or DEFAULT_MODEL_DIR)
-    from models import CheckpointError
-
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
     mc_acc = ModelConfig.from_dir(model_dir)
     target, target_name = (shape_config(args.shape), args.shape) if args.shape else (mc_acc, str(model_dir))
     if args.cost_profile:
-        from engine.cost import read_profile
-
         read_profile(args.cost_profile)                  # checked before anything is decoded
     tok = Tokenizer(model_dir)
     n = (args.num_prompts or [8])[0]
     prompts, source = checkpoint_prompts(args, tok, n)
     prompts = fit_length(prompts, (args.prompt_length or [None])[0])
-    from .eval import method_config
-
     for gl in args.gen_length:
         check_prompts(mc_acc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
         for cache in args.cache:
@@ -399,7 +386,7 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     (out / "projection.md").write_text(md + "\n", encoding="utf-8")
     stamp = {"projection": TITLE, "acceptance_device": dev_name, **stamp_versions, "command": command,
              "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    write_csv(out / "projection.csv", rows, stamp)
+    write_rows(out / "projection.csv", rows, stamp)
     summary = {"bench": "speed", "mode": "simulate", "projection": TITLE, "out_dir": str(out), "cards":
                {k: asdict(CARDS[k]) for k in cards}, "cost": cost_text, "acceptance_model": str(model_dir),
                "acceptance_device": dev_name, **stamp_versions, "command": command,

@@ -35,7 +35,6 @@ one final JSON line on stdout. Bad input: one `error:` line, exit status 2.
 """
 from __future__ import annotations
 
-import csv
 import datetime
 import json
 import os
@@ -52,81 +51,23 @@ from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate, gr
 from engine.cache import Window
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, add_threads_flag, guarded,
                              plugins_loaded, progress, resolve_device)
-from engine.config import check_prompts, spec_label
-from engine.errors import check_regular, read_user_text
+from engine.config import check_prompts
+from engine.errors import check_regular
 from engine.methods import METHODS
 from engine.options import OPTIONS, RUNTIME
 from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
 from models.checkpoint import available_memory
 
-from ._common import THREADS_HELP, bench_threads, device_name, versions
-from .eval import method_config, parse_method
-from .simulate import CARDS as SIMULATE_CARDS
+from . import simulate
+from ._common import THREADS_HELP, bench_threads, device_name, versions, write_rows
+from .eval import method_config, parse_method, spec_label
+from .workload import (SHAPES, build_random, checkpoint_prompts, fit_length, param_count, random_prompts,
+                       shape_config)
 
 PROFILE_FORMAT = "psd-cost-profile/1"
 DEFAULT_METHODS = ["greedy", "confidence", "psd:policy=confidence,d=3"]
-# --simulate: the policy alone, PSD at a fixed depth, PSD with the draft budget chosen for the card
-DEFAULT_SIMULATE_METHODS = ["confidence", "psd:policy=confidence,d=3", "psd:policy=confidence,d=3,draft_budget=auto"]
 RANDOM_NOTE = ("random weights (--shape): acceptance, TPF and tokens/s mean nothing here; read the call cost "
                "(ms per call against rows per call)")
-
-# Real shapes (docs/algorithms.md §7; docs/gpu.md gives the sources). Token ids are the real ones.
-SHAPES: dict[str, dict] = {
-    # LLaDA-8B (GSAI-ML/LLaDA-8B-Instruct config.json)
-    "llada-8b": dict(family="llada", model_type="llada", vocab_size=126464, hidden_size=4096,
-                     intermediate_size=12288, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-                     rope_theta=5e5, rms_eps=1e-5, max_length=4096, mask_token_id=126336,
-                     eos_token_id=126081, stop_token_ids=(126348,)),
-    # Dream-v0-7B = Qwen2.5-7B's shape (Dream-org/Dream-v0-Instruct-7B config.json)
-    "dream-7b": dict(family="dream", model_type="Dream", vocab_size=152064, hidden_size=3584,
-                     intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                     rope_theta=1e6, rms_eps=1e-6, qkv_bias=True, logit_shift=1, position_mode="cumsum",
-                     max_length=32768, mask_token_id=151666, eos_token_id=151643, stop_token_ids=(151645,)),
-    # openPangu-7B-Diffusion (openpangu/openPangu-R-7B-Diffusion configuration_openpangu_dense.py
-    # defaults = openPangu-Embedded-7B: 34 layers, 32/8 heads, MLP 12800, vocab 153376)
-    "pangu-7b": dict(family="pangu", model_type="PanguEmbedded", vocab_size=153376, hidden_size=4096,
-                     intermediate_size=12800, num_layers=34, num_heads=32, num_kv_heads=8, head_dim=128,
-                     rope_theta=1.6e7, rms_eps=1e-6, qkv_bias=True, o_bias=True, logit_shift=1,
-                     attention="context_causal", position_mode="cumsum", max_length=32768,
-                     mask_token_id=45830, eos_token_id=2, stop_token_ids=(45892,)),
-    # CPU-sized, LLaDA layout: 134M parameters (85M without the embeddings)
-    "small": dict(family="llada", model_type="llada", vocab_size=32000, hidden_size=768,
-                  intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,
-                  rope_theta=5e5, rms_eps=1e-5, max_length=8192, mask_token_id=31999, eos_token_id=0),
-    # tests and the report's dry run: seconds on a CPU
-    "tiny": dict(family="llada", model_type="llada", vocab_size=1024, hidden_size=64, intermediate_size=128,
-                 num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, rope_theta=5e5, rms_eps=1e-5,
-                 max_length=8192, mask_token_id=1023, eos_token_id=0),
-    "tiny-dream": dict(family="dream", model_type="Dream", vocab_size=1024, hidden_size=64, intermediate_size=128,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, rms_eps=1e-6,
-                       qkv_bias=True, logit_shift=1, position_mode="cumsum", max_length=8192, mask_token_id=1023,
-                       eos_token_id=0),
-}
-
-
-def shape_config(name: str) -> ModelConfig:
-    return ModelConfig(**SHAPES[name])
-
-
-def build_random(config: ModelConfig, device, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> Transformer:
-    """A Transformer with seeded random weights, allocated once on `device` in `dtype` (built on
-    the meta device first: an 8B model never exists as a float32 copy, nor on the host)."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.1, generator=gen)
-            else:
-                p.normal_(0.0, std if p.dim() > 1 else 5 * std, generator=gen)
-    return model.eval().requires_grad_(False)
-
-
-def param_count(model: Transformer) -> int:
-    return sum(p.numel() for p in model.parameters())
-
 
 # ---------------------------------------------------------------------- measuring
 class CallCounter:
@@ -249,66 +190,6 @@ def method_plan(specs: list[str]) -> list[dict]:
     for e in plan:
         e["greedy"] = greedy["label"]
     return plan
-
-
-# ---------------------------------------------------------------------- prompts
-def read_prompt_file(path: str) -> list[str]:
-    """One prompt per line; a line holding a JSON object uses its "prompt" field (JSONL files)."""
-    lines = read_user_text(path, "prompt file").splitlines()      # a regular file of sane size, checked first
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise InputError(f"{path}:{n}: a line starting with '{{' must be a JSON object with a "
-                                 f"\"prompt\" field") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise InputError(f"{path}:{n}: a JSON line needs a string \"prompt\" field")
-            out.append(obj["prompt"])
-        else:
-            out.append(line)
-    if not out:
-        raise InputError(f"prompt file {path} holds no prompt")
-    return out
-
-
-def checkpoint_prompts(args, tok: Tokenizer, n: int) -> tuple[list[list[int]], str]:
-    """n prompts (token ids) from --prompts or the task's held-out file, cycled if fewer."""
-    if args.prompts:
-        texts, source = read_prompt_file(args.prompts), args.prompts
-    else:
-        from .tasks import get_task
-
-        task = get_task(args.task)
-        problems = task.load(None, limit=n)
-        texts, source = [task.format_prompt(p) for p in problems], f"{args.task} held-out"
-    ids = [tok.encode(t) for t in texts]
-    return [ids[i % len(ids)] for i in range(n)], source
-
-
-def fit_length(prompts: list[list[int]], length: int | None) -> list[list[int]]:
-    """Every prompt exactly `length` tokens: its last tokens, preceded by the other prompts'
-    tokens as context where it is shorter (None: unchanged)."""
-    if length is None:
-        return prompts
-    pool = [t for p in prompts for t in p]
-    out = []
-    for p in prompts:
-        ctx = pool * (length // max(len(pool), 1) + 1)
-        out.append((ctx + p)[-length:] if len(p) < length else p[-length:])
-    return out
-
-
-def random_prompts(mc: ModelConfig, n: int, length: int, seed: int) -> list[list[int]]:
-    """Random token ids, never the mask token or a stop token."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, mc.vocab_size, (n, length), generator=gen)
-    banned = torch.tensor([mc.mask_token_id, *mc.stop_token_ids])
-    safe = next(t for t in range(mc.vocab_size) if t not in banned.tolist())
-    return torch.where(torch.isin(ids, banned), safe, ids).tolist()
 
 
 # ---------------------------------------------------------------------- end to end
@@ -441,17 +322,6 @@ def default_out_dir() -> Path:
     return out
 
 
-def write_csv(path: Path, rows: list[dict], stamp: dict) -> None:
-    full = [{**r, **stamp} for r in rows]
-    fields: list[str] = []
-    for r in full:
-        fields += [k for k in r if k not in fields]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(full)
-
-
 def _f(v, fmt="{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -504,7 +374,7 @@ def build_parser() -> Parser:
     p.add_argument("--methods", nargs="+",
                    help="method specs as bench.eval takes them (name[:key=value,...]); greedy and each "
                         f"method's no-draft baseline are added (default: {' '.join(DEFAULT_METHODS)}; with "
-                        f"--simulate: {' '.join(DEFAULT_SIMULATE_METHODS)}, nothing added)")
+                        f"--simulate: {' '.join(simulate.DEFAULT_METHODS)}, nothing added)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     p.add_argument("--num-prompts", type=int, nargs="+",
                    help="prompts per configuration: one value, or one per batch size "
@@ -536,7 +406,7 @@ def build_parser() -> Parser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --cost-profile-out file")
     p.add_argument("--simulate", nargs="+", metavar="CARD",
                    help="a PROJECTION, not a measurement (bench/simulate.py): decode here, record every call, "
-                        f"cost each call on CARD ({', '.join(SIMULATE_CARDS)}) by a roofline at --shape (or "
+                        f"cost each call on CARD ({', '.join(simulate.CARDS)}) by a roofline at --shape (or "
                         "--cost-profile) and print projected tokens/s")
     p.add_argument("--cost-profile", metavar="PATH",
                    help="--simulate: cost of a call from a bench.speed --cost-curve profile instead of the roofline")
@@ -650,8 +520,6 @@ def _run(args, argv) -> int:
     _check_args(args)
     command = "python -m bench.speed " + " ".join(shlex.quote(a) for a in argv)
     if args.simulate:                       # a projection: decode here, cost every call on the card
-        from . import simulate
-
         bench_threads(args.threads)
         device = torch.device(resolve_device(args.device))
         return simulate.run(args, command, versions(), device, device_name(device))
@@ -729,7 +597,7 @@ def _run(args, argv) -> int:
         flat = [{"prefix": c["prefix"], "batch": c["batch"], "rows": R, "block_length": args.block_length,
                  "cache": args.cost_cache, "ms": ms, "ms_min": lo, "x1": ms / c["ms"][0]}
                 for c in curves for R, ms, lo in zip(c["rows"], c["ms"], c["ms_min"])]
-        write_csv(out / "cost_curve.csv", flat, stamp)
+        write_rows(out / "cost_curve.csv", flat, stamp)
         md = cost_markdown(curves, f"cost of one model call ({args.cost_cache} cache, block {args.block_length}, "
                                    f"{reps} timed calls per point): {header}\n\ncommand: `{command}`")
         (out / "cost_curve.md").write_text(md + "\n", encoding="utf-8")
@@ -755,7 +623,7 @@ def _run(args, argv) -> int:
         for r in rows:
             r.update({k: None for k in ("tokens_per_s", "tpf", "draft_token_share", "vs_greedy_min",
                                          "vs_greedy_median", "vs_baseline_min", "vs_baseline_median")})
-    write_csv(out / "speed.csv", rows, stamp)
+    write_rows(out / "speed.csv", rows, stamp)
     md = e2e_markdown(rows, f"{header}\n\nprompts: {source}; gen length {', '.join(map(str, args.gen_length))}, "
                             f"block {args.block_length}, {args.repeats} interleaved repeats\n\ncommand: `{command}`",
                       random_weights)

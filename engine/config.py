@@ -154,19 +154,6 @@ class DecodeConfig:
         return self.spec.describe(self, self.policy(), self.draft_graph()) + suffix
 
 
-def spec_label(cfg: DecodeConfig, spec_options: dict) -> str:
-    """A method spec's label in benchmark tables: `cfg.describe()`, then the general options the
-    spec gave itself (`psd:cache=dual,min_tokens=8` -> `psd(...)[cache=dual,min_tokens=8]`), so two
-    specs of one run that differ only in those are two rows, not one merged row."""
-    own = [f"{name}={_value(v)}" for name, v in sorted(spec_options.items())
-           if name in OPTIONS and OPTIONS[name].general and name not in RUNTIME]
-    return cfg.describe() + (f"[{','.join(own)}]" if own else "")
-
-
-def _value(v) -> str:
-    return str(int(v)) if isinstance(v, bool) else str(v)
-
-
 def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | None = None) -> list[list[int]]:
     """Validate a batch of prompts (token-id lists) against a model config, each to be followed by
     `gen_length` generated positions (default the config's); returns int lists."""

@@ -8,13 +8,13 @@ import json
 import pytest
 
 from bench import simulate as sim
-from bench import speed
+from bench import speed, workload
 from bench.simulate import CARDS, TITLE, Call, Card
 from engine.frontend import DEFAULT_MODEL_DIR
 from models import Tokenizer, load_model
 from support import run_main
 
-LLADA = speed.shape_config("llada-8b")
+LLADA = workload.shape_config("llada-8b")
 H100 = CARDS["h100-sxm"]
 
 
@@ -36,7 +36,7 @@ def prompt():
 def test_default_constants_reproduce_the_h200_measurement():
     """The CLI's defaults (bench/simulate.py's docstring) against docs/gpu/h200-2026-11-26/profile_call_*.txt:
     one verification call of 1 and 16 draft rows, dual cache, prefix 512, block 32, bf16 on an H200."""
-    from bench.speed import shape_config
+    from bench.workload import shape_config
 
     h200 = sim.card("h200")
     for shape, measured in (("llada-8b", {1: (27.88, 8.97), 16: (30.96, 18.49)}),

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import speed
-from models import ModelConfig, Transformer
+from bench import speed, workload
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,45 +108,6 @@ def test_method_plan_keeps_specs_that_differ_in_general_options():
     assert by[psd + "[seed=2,temperature=0.5]"]["base"] == "confidence(tau=0.9)[seed=2,temperature=0.5]"
 
 
-# ---------------------------------------------------------------------- shapes and random weights
-def test_real_shapes_are_the_published_sizes():
-    def count(name):
-        with torch.device("meta"):
-            return sum(p.numel() for p in Transformer(speed.shape_config(name)).parameters())
-
-    assert 7.9e9 < count("llada-8b") < 8.1e9          # LLaDA-8B
-    assert 7.5e9 < count("dream-7b") < 7.7e9          # Qwen2.5-7B: 7.62B
-    assert 8.0e9 < count("pangu-7b") < 8.6e9          # 7B without the 2 x 153376 x 4096 embeddings
-    assert 1.2e8 < count("small") < 1.5e8
-    c = speed.shape_config("dream-7b")
-    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.logit_shift) == (28, 4, 128, 1)
-    assert speed.shape_config("pangu-7b").attention == "context_causal"
-
-
-def test_build_random_allocates_once_in_the_target_dtype():
-    cfg = speed.shape_config("tiny-dream")
-    model = speed.build_random(cfg, torch.device("cpu"), torch.bfloat16, seed=3)
-    params = list(model.parameters())
-    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" and torch.isfinite(p).all() for p in params)
-    assert sum(p.numel() for p in params) == sum(p.numel() for p in Transformer(cfg).parameters())
-    again = speed.build_random(cfg, torch.device("cpu"), torch.bfloat16, seed=3)
-    assert all(torch.equal(a, b) for a, b in zip(params, again.parameters()))      # seeded
-    assert not model.training and not any(p.requires_grad for p in params)
-
-
-def test_prompt_helpers(tmp_path):
-    f = tmp_path / "p.txt"
-    f.write_text('first prompt\n\n{"prompt": "second\\nline"}\n')
-    assert speed.read_prompt_file(str(f)) == ["first prompt", "second\nline"]
-    # too short: filled from the front with the other prompts' tokens; too long: the last tokens
-    assert speed.fit_length([[1, 2, 3], [4]], 5) == [[3, 4, 1, 2, 3], [1, 2, 3, 4, 4]]
-    assert speed.fit_length([[1, 2, 3], [4]], 2) == [[2, 3], [4, 4]]
-    assert speed.fit_length([[1, 2, 3]], None) == [[1, 2, 3]]
-    mc = ModelConfig.tiny()
-    ids = speed.random_prompts(mc, 4, 50, 0)
-    assert all(len(p) == 50 and mc.mask_token_id not in p and mc.eos_token_id not in p for p in ids)
-
-
 # ---------------------------------------------------------------------- end to end and cost curve
 def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
@@ -222,7 +182,7 @@ def test_cost_curve_rows_map_to_their_sequence_cache(monkeypatch):
         return orig(self, x, valid, pos, win, cache, rows)
 
     monkeypatch.setattr(DualCache, "call", spy)
-    model = speed.build_random(speed.shape_config("tiny"), torch.device("cpu"), torch.float32)
+    model = workload.build_random(workload.shape_config("tiny"), torch.device("cpu"), torch.float32)
     speed.cost_curve(model, torch.device("cpu"), "dual", [12], [3], [2], 8, reps=1, warmup=0, seed=0, pbar=None)
     assert seen == [(6, [0, 0, 0, 1, 1, 1], 12)]
 
