@@ -42,7 +42,7 @@ from models import CheckpointError
 from models.parallel import TensorParallel, check_divisible, current, init_tensor_parallel, launched, shutdown
 
 from .errors import DecodingError, InputError
-from .graphs import CUDAGraphBackend, EagerBackend, GraphedCall
+from .graphs import GraphedCall
 from .loop import Decoder
 from .results import StreamUpdate
 
@@ -172,7 +172,7 @@ def mode_spec(mode, model) -> tuple:
     step, because every rank runs the same calls through a wrapper of the same settings."""
     graphs = None
     if isinstance(mode, GraphedCall):
-        graphs = (mode.backend.name, mode.max_graphs, mode.sizes[-1])
+        graphs = (type(mode.backend), mode.max_graphs, mode.sizes[-1])
         mode = mode.mode
     return type(mode), mode.model is not model, graphs
 
@@ -182,8 +182,7 @@ def build_mode(spec: tuple, model):
     mode = cls(model.compiled() if compiled else model)
     if graphs is not None:
         backend, max_graphs, max_rows = graphs
-        mode = GraphedCall(mode, CUDAGraphBackend(model.device) if backend == "cuda" else EagerBackend(),
-                           max_graphs, max_rows)
+        mode = GraphedCall(mode, backend(model.device), max_graphs, max_rows)
     return mode
 
 

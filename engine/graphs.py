@@ -3,9 +3,9 @@
 NOT RUN ON A GPU YET. This module was written on a CPU-only machine against the torch 2.11 CUDA
 graph API (`torch.cuda.CUDAGraph`, `torch.cuda.graph(g, pool=...)`, warm-up on a side stream
 before capture); its bucketing and padding path runs on CPU in tests/test_cuda_graphs.py with
-an eager stand-in for capture/replay (`EagerBackend`), compared token for token with the plain
-decoder. Whether replay pays on a card is what `bench/gpu_report.sh`'s `cuda_graphs` section
-measures; until it has run, nothing says it does.
+an eager stand-in for capture/replay (`EagerBackend`, tests/support.py), compared token for
+token with the plain decoder. Whether replay pays on a card is what `bench/gpu_report.sh`'s
+`cuda_graphs` section measures; until it has run, nothing says it does.
 
 What is captured: a cache mode's `call` (engine/cache.py), i.e. the attention masks, the row
 plan of the call and the model forward of one verification call. The block's first call
@@ -95,22 +95,10 @@ class Captured:
     out: torch.Tensor | None = None
 
 
-class EagerBackend:
-    """The stand-in for capture/replay: `replay` runs the function on the static buffers. The CPU
-    tests run the whole padding path with it (and so can a GPU, to isolate what replay changes)."""
-
-    name = "eager"
-
-    def capture(self, fn, inputs: tuple) -> Captured:
-        return Captured(lambda: fn(*inputs))
-
-
 class CUDAGraphBackend:
     """torch.cuda.CUDAGraph capture: warm-up calls on a side stream (allocations, kernel choice,
     Triton autotuning happen outside the capture), then one capture into a pool shared by every
     graph of the decoder; replay reruns the kernels on the static buffers."""
-
-    name = "cuda"
 
     def __init__(self, device: torch.device, warmup: int = 2):
         self.device, self.warmup = device, warmup
@@ -156,8 +144,9 @@ class _CacheBuffer:
 
 class GraphedCall:
     """A cache mode whose `call` runs through padded, bucketed, captured graphs (`start` is the
-    mode's own). `backend`: CUDAGraphBackend on a GPU; EagerBackend (or any object with
-    `capture(fn, inputs) -> Captured`) elsewhere."""
+    mode's own). `backend`: CUDAGraphBackend, or any object with `capture(fn, inputs) -> Captured`
+    built as `cls(device)` (the tests' eager stand-in; engine.distributed rebuilds the backend on
+    every rank from its class)."""
 
     def __init__(self, mode, backend, max_graphs: int = MAX_GRAPHS, max_rows: int = MAX_ROWS):
         if max_graphs < 1:
@@ -268,10 +257,10 @@ class GraphedCall:
         return g
 
 
-def graphed(mode, config, device: torch.device, backend=None) -> GraphedCall:
+def graphed(mode, config, device: torch.device) -> GraphedCall:
     """`--cuda-graphs` for a decoder: checks the device and the options (one InputError each),
-    then wraps its cache mode. `backend` (tests): a stand-in for CUDAGraphBackend."""
-    if backend is None and device.type != "cuda":
+    then wraps its cache mode."""
+    if device.type != "cuda":
         raise InputError("--cuda-graphs needs a CUDA device")
     if not config.static_rows:
         raise InputError("--cuda-graphs needs --static-rows (every verification call of a block one shape; "
@@ -279,4 +268,4 @@ def graphed(mode, config, device: torch.device, backend=None) -> GraphedCall:
     if config.compile:
         raise InputError("--cuda-graphs and --compile do not combine (not tried together on a GPU; torch.compile's "
                          "own CUDA graphs are its mode='reduce-overhead')")
-    return GraphedCall(mode, backend or CUDAGraphBackend(device))
+    return GraphedCall(mode, CUDAGraphBackend(device))

@@ -1,6 +1,6 @@
 """Helpers several test modules share: a command-line `main` run in-process, random model inputs,
-a continuous batch fed on a schedule, a free port, and `engine.serve` in a subprocess (the shipped
-model in fp32 on the CPU, one thread)."""
+a continuous batch fed on a schedule, the eager stand-in for CUDA-graph capture, a free port, and
+`engine.serve` in a subprocess (the shipped model in fp32 on the CPU, one thread)."""
 from __future__ import annotations
 
 import os
@@ -73,6 +73,20 @@ def run_live(dec, prompts, schedule, max_rows=None, cancel=None) -> SimpleNamesp
         for h, r in update.done.items():
             out.done[index_of[h]] = r
             out.order.append(index_of[h])
+
+
+class EagerBackend:
+    """The stand-in for engine.graphs' capture/replay: `replay` runs the function on the static
+    buffers, so the CPU tests run the whole bucketing and padding path of `--cuda-graphs` (and so
+    can a GPU, to isolate what replay changes). Built as CUDAGraphBackend is, from a device."""
+
+    def __init__(self, device=None):
+        pass
+
+    def capture(self, fn, inputs: tuple):
+        from engine.graphs import Captured
+
+        return Captured(lambda: fn(*inputs))
 
 
 def free_port() -> int:

@@ -12,8 +12,10 @@ import torch
 
 import engine
 from engine import DecodeConfig, Decoder, InputError
-from engine.graphs import EagerBackend, GraphedCall, bucket, graphed, ladder, pad_rows
+from engine import graphs
+from engine.graphs import GraphedCall, bucket, graphed, ladder, pad_rows
 from models import ModelConfig, init_random
+from support import EagerBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]          # 3 rows x 3 nodes = 9 canvases: padded to 12
@@ -114,16 +116,17 @@ def test_cuda_graphs_on_cpu_is_one_error():
         engine.generate(model, [[1, 2]], method="greedy", cuda_graphs=True, gen_length=8, block_length=8)
 
 
-def test_cuda_graphs_needs_static_rows_and_not_compile():
+def test_cuda_graphs_needs_static_rows_and_not_compile(monkeypatch):
     model = init_random(ModelConfig.tiny("llada"), seed=1)
     mode = engine.CACHE_MODES["none"](model)
+    monkeypatch.setattr(graphs, "CUDAGraphBackend", EagerBackend)    # past the device check on a CPU
+    cuda = torch.device("cuda")
     with pytest.raises(InputError, match="needs --static-rows"):
-        graphed(mode, DecodeConfig(cuda_graphs=True), model.device, backend=EagerBackend())
+        graphed(mode, DecodeConfig(cuda_graphs=True), cuda)
     with pytest.raises(InputError, match="do not combine"):
-        graphed(mode, DecodeConfig(cuda_graphs=True, static_rows=True, compile=True), model.device,
-                backend=EagerBackend())
-    assert isinstance(graphed(mode, DecodeConfig(cuda_graphs=True, static_rows=True), model.device,
-                              backend=EagerBackend()), GraphedCall)
+        graphed(mode, DecodeConfig(cuda_graphs=True, static_rows=True, compile=True), cuda)
+    wrapped = graphed(mode, DecodeConfig(cuda_graphs=True, static_rows=True), cuda)
+    assert isinstance(wrapped, GraphedCall) and isinstance(wrapped.backend, EagerBackend)
     assert DecodeConfig(method="greedy", static_rows=True, cuda_graphs=True).describe() == \
         "greedy[static-rows,cuda-graphs]"
 

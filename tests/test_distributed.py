@@ -225,11 +225,11 @@ LIVE = [(0, 12, 0), (1, 8, 2), (2, 4, 5)]
 def _serve_pattern(model, make):
     """engine.serve's work on rank 0, decoders from `make(model, config)`: a stream, a stream closed
     early, continuous batching (sequences joining a running batch), a bad request, more after it,
-    and a --cuda-graphs wrapper (its CPU stand-in, engine.graphs.EagerBackend) inside rank 0's."""
+    and a --cuda-graphs wrapper (its CPU stand-in, support.EagerBackend) inside rank 0's."""
     from engine import distributed
     from engine.config import DecodeConfig
-    from engine.graphs import EagerBackend, GraphedCall
-    from support import run_live
+    from engine.graphs import GraphedCall
+    from support import EagerBackend, run_live
 
     out = {}
     out["stream"] = [u.pieces for u in make(model, DecodeConfig(method="psd", cache="dual", **GEN)).stream(PROMPTS)]
