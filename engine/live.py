@@ -59,7 +59,6 @@ class LiveBatch:
         self.joined: dict[int, float] = {}
         self.cancelled: set[int] = set()
         self._ids = itertools.count()
-        self._batch: Batch | None = None
         self._loop = None
         self._ended: LiveUpdate = LiveUpdate()                   # what the last block boundary ended
 
@@ -103,7 +102,7 @@ class LiveBatch:
         try:
             batch, run = next(self._loop)
         except StopIteration:
-            self._loop, self._batch = None, None
+            self._loop = None
             update, self._ended = self._ended, LiveUpdate()
             return update
         update, self._ended = self._ended, LiveUpdate()
@@ -131,7 +130,6 @@ class LiveBatch:
             for h, _, _ in joining:
                 self.handles.append(h)
                 self.sent[h], self.joined[h] = 0, now
-        self._batch = batch
         return batch if self.handles else None
 
     def _leave(self, batch: Batch, now: float) -> Batch | None:

@@ -891,7 +891,3 @@ def read_json(path, what: str = "", error=CheckpointError, limit: int = MAX_FILE
         raise error(f"cannot read {_named(what, path)}: JSON nested too deeply") from None
     except ValueError as e:                        # e.g. an integer of too many digits
         raise error(f"cannot read {_named(what, path)}: {e}") from None
-
-
-def _read_json(path: Path):
-    return read_json(path)

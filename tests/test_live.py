@@ -91,19 +91,22 @@ def test_the_canvas_stays_bounded_however_long_it_runs():
     m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5, std=0.02)
     dec = Decoder(m, DecodeConfig(method="greedy", gen_length=16, block_length=8))
     live = LiveBatch(dec, max_rows=2)
-    widths, done = [], 0
-    for n in range(12):                       # a stream of requests, two at a time
-        live.add([1 + n % 7, 2, 3], gen_length=16)
-        for _ in range(6):
-            u = live.step()
-            if u is None:
-                break
+    widths, done = [], 0                      # the canvas every model call sees (cache none: the whole of it)
+    hook = m.register_forward_pre_hook(lambda mod, args, kw: widths.append((args[0] if args else kw["ids"]).shape[1]),
+                                       with_kwargs=True)
+    try:
+        for n in range(12):                   # a stream of requests, two at a time
+            live.add([1 + n % 7, 2, 3], gen_length=16)
+            for _ in range(6):
+                u = live.step()
+                if u is None:
+                    break
+                done += len(u.done)
+        while (u := live.step()) is not None:
             done += len(u.done)
-            if live._batch is not None:
-                widths.append(live._batch.x.shape[1])
-    while (u := live.step()) is not None:
-        done += len(u.done)
-    assert done == 12
+    finally:
+        hook.remove()
+    assert done == 12 and len(widths) > 12
     assert max(widths) <= 3 + 16 + 8           # one prompt, one generation, at most a block of offset
 
 
