@@ -110,9 +110,9 @@ def _job(owner, seed=0):
 def test_rows_go_round_robin_over_requests():
     """The scheduler's order without a model: a request holding rows yields the next free row to one
     holding fewer; a request alone takes them all; static batches mix requests in turn."""
-    from engine.serve.worker import Owner, Scheduler
+    from engine.serve.worker import Owner, StaticScheduler
 
-    sch = Scheduler(max_queue=100, max_batch=4, continuous=False)
+    sch = StaticScheduler(max_queue=100, max_batch=4)
     a, b, c = Owner(), Owner(), Owner()
     big = [_job(a) for _ in range(10)]
     for j in big:

@@ -145,7 +145,8 @@ class _StartupErrors(logging.Filter):
         return False
 
 
-def _main(args) -> int:
+def check_flags(args) -> None:
+    """The server's own flags, before anything is imported or bound."""
     if args.max_batch < 1 or args.max_queue < 1:
         raise InputError("--max-batch and --max-queue must be >= 1")
     if args.max_body_bytes < 1:
@@ -158,6 +159,10 @@ def _main(args) -> int:
         raise InputError("--batch-wait-ms must be in [0, 10000]")
     if args.threads is not None and args.threads < 1:
         raise InputError("--threads must be >= 1")
+
+
+def _main(args) -> int:
+    check_flags(args)
     try:
         import fastapi  # noqa: F401
         import uvicorn

@@ -1,0 +1,138 @@
+"""Continuous batching (the default): jobs with equal decoding options share a running
+`engine.live.LiveBatch` that they join at its next block boundary and leave when they are done,
+so a short request sent after a long one can finish first, and an answer comes when its own
+sequence ends. Batches of different options take turns, one model call each; --max-batch bounds
+the rows of all of them together, a free row going to the fair next job (jobs.py)."""
+from __future__ import annotations
+
+import collections
+import time
+
+from ..config import DecodeConfig
+from ..errors import InputError
+from .jobs import Job, Scheduler, config_key, shutting_down, stopped
+from .protocol import ApiError
+
+
+def live_key(dc: DecodeConfig) -> tuple:
+    """Jobs that may share a running batch: equal options but the generation length (a sequence
+    keeps its own), unless a step count ties the schedule to it."""
+    return tuple((k, v) for k, v in config_key(dc) if k != "gen_length" or dc.steps is not None)
+
+
+class _Live:
+    """A running batch of one set of options and the jobs of its sequences (by handle)."""
+
+    def __init__(self, batch):
+        self.batch, self.jobs = batch, {}
+
+
+class ContinuousScheduler(Scheduler):
+    """Running batches (one per set of options) that jobs join and leave at block boundaries."""
+
+    def run(self, model) -> None:
+        """Admit waiting jobs into the running batch of their options (up to max_batch rows each),
+        then advance one batch by one model call, batches taking turns; until closed."""
+        lives: dict[tuple, _Live] = {}
+        turn: collections.deque = collections.deque()
+        while True:
+            with self.cond:
+                while not self.closing and not self.waiting and not lives:
+                    self.cond.wait()
+                if self.closing:
+                    for live in lives.values():
+                        for j in live.jobs.values():
+                            j.push("error", shutting_down())
+                    return
+                self._admit(model, lives, turn)
+                self._drop_cancelled(lives)
+                self.running = self._rows(lives)
+            if not turn:
+                continue
+            key = turn[0]
+            turn.rotate(-1)
+            if not self._advance(lives[key]):
+                del lives[key]                           # idle or failed: its decoder goes
+                turn.remove(key)
+            self.running = self._rows(lives)             # (also 0 once the last batch is idle)
+
+    @staticmethod
+    def _rows(lives: dict) -> int:
+        return sum(lv.batch.running + len(lv.batch.waiting) for lv in lives.values())
+
+    def _drop_cancelled(self, lives: dict) -> None:
+        """Clients that went away leave their batch at its next boundary."""
+        for live in lives.values():
+            gone = [h for h, j in live.jobs.items() if j.cancelled]
+            for h in gone:
+                live.batch.cancel(h)
+                del live.jobs[h]
+            if gone and not live.jobs:       # every client of the batch went away: it stops
+                self.stats["aborted_batches"] += 1
+
+    def _admit(self, model, lives: dict, turn) -> None:
+        """Free rows (--max-batch over all running batches) to the fair next jobs, each into the
+        running batch of its options (a new one if there is none)."""
+        rows = self._rows(lives)
+        held: dict = {}                                  # rows each request holds now
+        for lv in lives.values():
+            for j in lv.jobs.values():
+                held[id(j.owner)] = held.get(id(j.owner), 0) + 1
+        while rows < self.max_batch and (job := self._fair(held)) is not None:
+            self._take(job, held)
+            try:
+                live = self._live_for(model, job, lives, turn)
+                handle = live.batch.add(job.spec.prompt_ids, gen_length=job.spec.config.gen_length)
+            except InputError as e:
+                job.push("error", ApiError(400, str(e)))
+                continue
+            live.jobs[handle] = job
+            rows += 1
+            job.started = time.perf_counter()
+            self.stats["requests"] += 1
+            self.stats["rows"] += 1
+
+    def _live_for(self, model, job: Job, lives: dict, turn) -> _Live:
+        """The running batch of `job`'s options, formed now if there is none."""
+        from ..distributed import decoder_class
+        from ..live import LiveBatch
+
+        key = live_key(job.spec.config)
+        live = lives.get(key)
+        if live is None:
+            Decoder = decoder_class()                    # tensor parallel: rank 0 sends each model call to the others
+            live = _Live(LiveBatch(Decoder(model, job.spec.config), max_rows=self.max_batch))
+            lives[key] = live
+            turn.append(key)
+            self.stats["batches"] += 1                   # a running batch formed
+        return live
+
+    def _advance(self, live: _Live) -> bool:
+        """One model call of one running batch, its tokens and results handed to their jobs;
+        False when it is idle or failed (its jobs are told)."""
+        try:
+            update = live.batch.step()
+        except Exception as e:            # noqa: BLE001 -- the worker survives whatever one batch does
+            self._failed(live.jobs.values(), e, count_refusals=True)
+            return False
+        except BaseException as e:        # the worker stops (the server reports it): its clients are told
+            for j in live.jobs.values():
+                j.push("error", stopped(e))
+            raise
+        if update is None:
+            return False
+        if update.rows:
+            self.stats["calls"] += 1
+            self.stats["largest_batch"] = max(self.stats["largest_batch"], update.rows)
+            for h in live.batch.handles:         # the call's rows: an answer with no text piece counts too
+                if h in live.jobs:
+                    live.jobs[h].batch_size = max(live.jobs[h].batch_size, update.rows)
+        for h, piece in update.pieces.items():
+            j = live.jobs.get(h)
+            if j is not None and not j.cancelled:
+                j.push("tokens", (piece, update.probs[h], update.tops.get(h)))
+        for h, res in update.done.items():
+            j = live.jobs.pop(h, None)
+            if j is not None and not j.cancelled:
+                j.push("done", res)
+        return True
