@@ -36,8 +36,7 @@ def first_output(decoder, batch, seqs, x, valid, pos, win):
     cache = None
     if fresh.numel():
         logits, cache = decoder.cache_mode.start(x[fresh], valid[fresh], pos[fresh], win)
-        pred_f, conf_f, _ = decoder._predict(logits, decoder._no_stop(batch.gen_start[seqs[fresh]], win.lo,
-                                                                   logits.shape[1]))
+        pred_f, conf_f, _ = decoder.sampler.predict(logits, batch.gen_start[seqs[fresh]], win.lo)
         conf = conf.to(conf_f.dtype)
         pred[fresh], conf[fresh] = pred_f[:, :W], conf_f[:, :W]
         if win.ahead:

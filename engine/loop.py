@@ -36,6 +36,7 @@ from .graphs import graphed
 from .progress import apply_stopping, generated, guard_progress, raise_failure, settle_edits
 from .policies import policy_select, rank_of, sequence_noise
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
+from .sampling import Sampler
 from .state import Batch, BlockRun, new_batch
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
@@ -73,58 +74,10 @@ class Decoder:
         self.budget = None if self.dc.draft_budget != "auto" else DraftBudget(
             self.graph, selection, dev, cost_model, self.dc.cost_profile, self.dc.cache,
             key=(id(model), str(dev), str(model.tok_embeddings.weight.dtype), self.dc.cache, self.dc.block_length))
-        self.gen = torch.Generator(device=dev).manual_seed(self.dc.seed)
+        self.sampler = Sampler(self.dc, self.mc, dev)      # logits -> tokens: the one home of sampling
 
     def check_prompts(self, prompts) -> list[list[int]]:
         return check_prompts(self.mc, self.dc, prompts)
-
-    def _no_stop(self, gen_start: torch.Tensor, lo: int, width: int) -> torch.Tensor | None:
-        """[R, width] True at the columns `lo ...` where a row may not predict a stop token: its
-        first `min_tokens` generated positions (rows start generating at `gen_start` [R]); None
-        when no position is barred."""
-        if not self.dc.min_tokens or self.dc.ignore_eos:
-            return None
-        col = torch.arange(lo, lo + width, device=gen_start.device)
-        return col[None] < (gen_start + min(self.dc.min_tokens, self.mc.max_length))[:, None]
-
-    def _predict(self, logits: torch.Tensor, no_stop: torch.Tensor | None = None):
-        """Top-1 token and confidence [R, W] from logits [R, W, V], and with --top-logprobs k the k
-        most likely (id, probability) [R, W, k, 2] (else None); `no_stop` [R, W] (`_no_stop`):
-        where the stop tokens' logits are -inf."""
-        if self.dc.conf_dtype == "float64":
-            logits = logits.double()
-        if self.dc.ignore_eos:                  # no stop token is ever predicted: sequences run to gen length
-            logits = logits.index_fill(-1, self.stop_ids, float("-inf"))
-        elif no_stop is not None:               # --min-tokens: none in a row's first generated positions
-            stop = logits.index_select(-1, self.stop_ids).masked_fill(no_stop[..., None], float("-inf"))
-            logits = logits.index_copy(-1, self.stop_ids, stop)
-        noise = None
-        if self.dc.temperature > 0:
-            u = torch.rand(logits.shape, generator=self.gen, device=logits.device, dtype=torch.float64)
-            noise = -torch.log(-torch.log(u.clamp_min(1e-300)))       # standard Gumbel, LLaDA's float64 draw
-            if self.dc.top_k > 0 or self.dc.top_p < 1:
-                # top-k / nucleus: the noise is -inf outside the kept tokens, so the Gumbel-max sample is
-                # drawn among them; the confidence stays the untempered softmax of the whole vocabulary
-                x = logits.index_fill(-1, self.stop_ids.new_tensor([self.mc.mask_token_id]), float("-inf"))
-                keep = torch.ones_like(x, dtype=torch.bool)
-                if self.dc.top_k > 0:
-                    keep &= x >= x.topk(min(self.dc.top_k, x.shape[-1]), dim=-1).values[..., -1:]
-                if self.dc.top_p < 1:
-                    p, order = torch.softmax(x.float() / self.dc.temperature, dim=-1).sort(dim=-1, descending=True)
-                    out = (p.cumsum(-1) - p) >= self.dc.top_p       # the mass before it already reaches top_p
-                    keep &= ~torch.zeros_like(out).scatter_(-1, order, out)
-                noise = noise.masked_fill(~keep, float("-inf"))
-        pred, conf = psd_kernels.top1(logits, self.mc.mask_token_id, score=self.dc.score,
-                                      temperature=self.dc.temperature, noise=noise)
-        return pred, conf, self._top(logits) if self.dc.top_logprobs else None
-
-    def _top(self, logits: torch.Tensor) -> torch.Tensor:
-        """[R, W, k, 2] float64: the k most likely (id, untempered probability) of every position,
-        over the distribution the confidence `prob` is taken from (the mask token excluded)."""
-        x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32, copy=True)
-        x[..., self.mc.mask_token_id] = float("-inf")
-        logp, ids = torch.log_softmax(x, dim=-1).topk(min(self.dc.top_logprobs, x.shape[-1] - 1), dim=-1)
-        return torch.stack((ids.double(), logp.exp().double()), dim=-1)
 
     # ------------------------------------------------------------------ batch and blocks
     def _new_batch(self, prompts, gen_lengths: list[int] | None = None) -> Batch:
@@ -187,8 +140,7 @@ class Decoder:
             return first_output(self, batch, seqs, x, valid, pos, win)
         logits, cache = self.cache_mode.start(x, valid, pos, win)
         one = torch.ones(len(seqs), dtype=torch.long, device=x.device)
-        no_stop = self._no_stop(batch.gen_start[seqs], win.lo, logits.shape[1])
-        return *self._predict(logits, no_stop), (None, None), cache, one, one - 1
+        return *self.sampler.predict(logits, batch.gen_start[seqs], win.lo), (None, None), cache, one, one - 1
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
         if (run.failed > 0).any():                                           # one read per block
@@ -285,7 +237,7 @@ class Decoder:
         win, dev, W = run.win, drafts.device, run.win.width
         pair, seq_rows, canvases = self._canvases(run, act, drafts, valid)
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
-        pred, conf, top = self._predict(logits, self._no_stop(run.gen_start[seq_rows], win.lo, logits.shape[1]))
+        pred, conf, top = self.sampler.predict(logits, run.gen_start[seq_rows], win.lo)
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W,
