@@ -21,16 +21,20 @@ Roofline cost of one call (element size s bytes, the card's HBM bandwidth BW and
 bf16 FLOP/s F from the vendor datasheet, `CARDS`):
 
     tokens  = n·T
-    bytes   = s·( W_body + V·d                    weights, each read once per call (the LM head too)
+    bytes   = s·( W_read + V·d                    weights, each read once per call (the LM head too)
                 + tokens·d                        the embedding rows gathered
                 + C·P·layers·2·Hkv·D              the cache, each cache row read once (shared by its drafts)
                 + tokens·layers·(17d + 6q + 6kv + 6I)   activations: every op reads its input and writes its output once
                 + 2·n·O·V )                       logits written, then read by top-1
-    flops   = 2·W_body·tokens + 2·d·V·n·O + 4·layers·H·D·n·T·(P + T)
+    flops   = 2·W_active·tokens + 2·d·V·n·O + 4·layers·H·D·n·T·(P + T)
     ms      = max(max(bytes / BW, flops / F) / efficiency, layers · host) + overhead
 
 with W_body the parameters of the transformer blocks and the final norm, q = H·D, kv = Hkv·D,
-I the MLP width. The three constants were measured on an NVIDIA H200 (2026-11-26,
+I the MLP width. A dense model reads and multiplies all of W_body (W_read = W_active = W_body). A
+mixture of experts (LLaDA2: E routed experts of W_e parameters in each of its M MoE layers, k a
+token) reads the experts its tokens chose, W_read = W_body − M·W_e·(E − U) with U = E·(1 − (1 −
+k/E)^tokens) the distinct experts of uniform routing, multiplies k of them per token,
+W_active = W_body − M·W_e·(E − k), and moves k experts' (plus the shared ones') activations as I. The three constants were measured on an NVIDIA H200 (2026-11-26,
 `python -m bench.profile_call --shape llada-8b|dream-7b --rows 1 16`, docs/gpu.md):
 
     efficiency  --kernel-efficiency, default 0.43: the call's kernels took 2.2-2.5x the roofline
@@ -152,22 +156,50 @@ def roofline_ms(bytes_moved: float, flops: float, c: Card, overhead_ms: float = 
 
 
 def body_params(mc) -> int:
-    """Parameters every token multiplies: the transformer blocks and the final norm."""
+    """Parameters of the transformer blocks and the final norm (every routed expert counted)."""
     return mc.parameter_count() - mc.vocab_size * mc.hidden_size * (1 if mc.tie_embeddings else 2)
 
 
+def expert_params(mc) -> int:
+    """One routed expert's weights (gate, up, down), 0 for a dense model."""
+    return 3 * mc.hidden_size * mc.moe_intermediate_size if mc.num_experts else 0
+
+
+def experts_used(mc, tokens: int) -> float:
+    """Routed experts one MoE layer reads for `tokens` tokens: E·(1 − (1 − k/E)^tokens), the
+    expected number of distinct experts under uniform routing (docs/kernel_moe.md)."""
+    if not mc.num_experts:
+        return 0.0
+    E, k = mc.num_experts, mc.num_experts_per_tok
+    return E * (1 - (1 - k / E) ** tokens)
+
+
+def _mlp_width(mc) -> float:
+    """MLP activations a token moves per layer, averaged over the layers: the dense width, or on a
+    MoE layer its k experts and the shared experts (plus the dense MLP beside them under a softmax router)."""
+    n_moe = mc.moe_layers()
+    routed = mc.num_experts_per_tok * mc.moe_intermediate_size + mc.shared_intermediate_size
+    if mc.moe_router == "softmax":
+        routed += mc.intermediate_size
+    return ((mc.num_layers - n_moe) * mc.intermediate_size + n_moe * routed) / mc.num_layers
+
+
 def call_bytes(mc, call: Call, elem: int) -> float:
-    d, q, kv, I, L, V = (mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim,
-                         mc.intermediate_size, mc.num_layers, mc.vocab_size)
+    d, q, kv, L, V = (mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim,
+                      mc.num_layers, mc.vocab_size)
     tokens = call.rows * call.tokens
-    return elem * (body_params(mc) + V * d + tokens * d + call.cache_rows * call.cached * L * 2 * kv
-                   + tokens * L * (17 * d + 6 * q + 6 * kv + 6 * I) + 2 * call.rows * call.out * V)
+    routed = mc.moe_layers() * expert_params(mc)           # one expert in every MoE layer
+    weights = body_params(mc) - mc.num_experts * routed + experts_used(mc, tokens) * routed
+    return elem * (weights + V * d + tokens * d + call.cache_rows * call.cached * L * 2 * kv
+                   + tokens * L * (17 * d + 6 * q + 6 * kv + 6 * _mlp_width(mc)) + 2 * call.rows * call.out * V)
 
 
 def call_flops(mc, call: Call) -> float:
     tokens = call.rows * call.tokens
+    routed = mc.moe_layers() * expert_params(mc)
+    active = body_params(mc) - (mc.num_experts - mc.num_experts_per_tok) * routed    # k experts a token
     attn = 4 * mc.num_layers * mc.num_heads * mc.head_dim * call.rows * call.tokens * (call.cached + call.tokens)
-    return 2 * body_params(mc) * tokens + 2 * mc.hidden_size * mc.vocab_size * call.rows * call.out + attn
+    return 2 * active * tokens + 2 * mc.hidden_size * mc.vocab_size * call.rows * call.out + attn
 
 
 def call_ms(mc, call: Call, c: Card, elem: int = 2, overhead_ms: float = OVERHEAD_MS, efficiency: float = 1.0,

@@ -9,6 +9,7 @@ import torch
 
 from engine.errors import InputError, read_user_text
 from models import ModelConfig, Tokenizer, Transformer
+from models.checkpoint import SkipMetaInit
 
 # Real shapes (docs/algorithms.md §7; docs/gpu.md gives the sources). Token ids are the real ones.
 SHAPES: dict[str, dict] = {
@@ -29,6 +30,15 @@ SHAPES: dict[str, dict] = {
                      rope_theta=1.6e7, rms_eps=1e-6, qkv_bias=True, o_bias=True, logit_shift=1,
                      attention="context_causal", position_mode="cumsum", max_length=32768,
                      mask_token_id=45830, eos_token_id=2, stop_token_ids=(45892,)),
+    # LLaDA2.0-mini (inclusionAI/LLaDA2.0-mini config.json; tests/test_llada2.py maps the real file to these):
+    # 16.3B parameters, 20 layers (the first dense), 256 routed experts of 512, 8 a token, one shared expert
+    "llada2-mini": dict(family="llada2", model_type="llada2_moe", vocab_size=157184, hidden_size=2048,
+                        intermediate_size=5120, num_layers=20, num_heads=16, num_kv_heads=4, head_dim=128,
+                        rope_theta=6e5, rms_eps=1e-6, attention="block_causal", attention_block=32,
+                        max_length=32768, mask_token_id=156895, eos_token_id=156892, pad_token_id=156892,
+                        position_mode="cumsum", qk_norm=True, rotary_dim=64, num_experts=256, num_experts_per_tok=8,
+                        moe_intermediate_size=512, shared_intermediate_size=512, first_dense_layers=1, n_group=8,
+                        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, expert_bias=True),
     # CPU-sized, LLaDA layout: 134M parameters (85M without the embeddings)
     "small": dict(family="llada", model_type="llada", vocab_size=32000, hidden_size=768,
                   intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,
@@ -37,6 +47,13 @@ SHAPES: dict[str, dict] = {
     "tiny": dict(family="llada", model_type="llada", vocab_size=1024, hidden_size=64, intermediate_size=128,
                  num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, rope_theta=5e5, rms_eps=1e-5,
                  max_length=8192, mask_token_id=1023, eos_token_id=0),
+    "tiny-llada2": dict(family="llada2", model_type="llada2_moe", vocab_size=1024, hidden_size=64,
+                        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        rope_theta=6e5, rms_eps=1e-6, attention="block_causal", attention_block=8, max_length=8192,
+                        mask_token_id=1023, eos_token_id=0, position_mode="cumsum", qk_norm=True, rotary_dim=8,
+                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_intermediate_size=32,
+                        first_dense_layers=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, expert_bias=True),
     "tiny-dream": dict(family="dream", model_type="Dream", vocab_size=1024, hidden_size=64, intermediate_size=128,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, rms_eps=1e-6,
                        qkv_bias=True, logit_shift=1, position_mode="cumsum", max_length=8192, mask_token_id=1023,
@@ -51,7 +68,7 @@ def shape_config(name: str) -> ModelConfig:
 def build_random(config: ModelConfig, device, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> Transformer:
     """A Transformer with seeded random weights, allocated once on `device` in `dtype` (built on
     the meta device first: an 8B model never exists as a float32 copy, nor on the host)."""
-    with torch.device("meta"):
+    with torch.device("meta"), SkipMetaInit():
         model = Transformer(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
