@@ -34,7 +34,9 @@ I the MLP width. A dense model reads and multiplies all of W_body (W_read = W_ac
 mixture of experts (LLaDA2: E routed experts of W_e parameters in each of its M MoE layers, k a
 token) reads the experts its tokens chose, W_read = W_body − M·W_e·(E − U) with U = E·(1 − (1 −
 k/E)^tokens) the distinct experts of uniform routing, multiplies k of them per token,
-W_active = W_body − M·W_e·(E − k), and moves k experts' (plus the shared ones') activations as I. The three constants were measured on an NVIDIA H200 (2026-11-26,
+W_active = W_body − M·W_e·(E − k), and moves k experts' (plus the shared ones') activations as I.
+
+The three constants were measured on an NVIDIA H200 (2026-11-26,
 `python -m bench.profile_call --shape llada-8b|dream-7b --rows 1 16`, docs/gpu.md):
 
     efficiency  --kernel-efficiency, default 0.43: the call's kernels took 2.2-2.5x the roofline
