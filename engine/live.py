@@ -2,8 +2,10 @@
 are done or cancelled (docs/loop.md, "Continuous batching").
 
 The decoding loop is the one loop (`Decoder._decode`); between two blocks it hands the batch to
-`LiveBatch._between`, which takes out the rows that finished (their results are final) or were
-cancelled, and lets waiting sequences in. Rows keep their own block index: the batch is laid out
+`LiveBatch._between`, which takes out the rows that finished or were cancelled, and lets waiting
+sequences in. A sequence is answered by the step that commits its last tokens (stage 1 on its
+last call's output, at the start of the next step), not at the block boundary; a cancelled one
+takes no model call after `cancel` (its row stays, idle, until the boundary). Rows keep their own block index: the batch is laid out
 so that every row's next block starts at one column, the batch's cursor (a joining sequence's
 prompt ends there; `engine.state.join` pads whichever side is shorter), so one block window
 serves every row whatever its progress, and every method and cache mode runs unchanged. Each
@@ -58,8 +60,10 @@ class LiveBatch:
         self.sent: dict[int, int] = {}                           # tokens of a handle already handed out
         self.joined: dict[int, float] = {}
         self.cancelled: set[int] = set()
+        self.answered: set[int] = set()                          # reported done before their row left
         self._ids = itertools.count()
         self._loop = None
+        self._open = None                                        # (batch, open block) of the last step
         self._ended: LiveUpdate = LiveUpdate()                   # what the last block boundary ended
 
     # ------------------------------------------------------------------ the caller's side
@@ -76,12 +80,15 @@ class LiveBatch:
         return handle
 
     def cancel(self, handle: int) -> None:
-        """Stop decoding `handle`: it leaves the batch at the next block boundary (a waiting one
-        never joins); no result is reported for it."""
+        """Stop decoding `handle`: no model call after this one includes it (its row leaves the
+        batch at the next block boundary; a waiting one never joins); no result is reported for it."""
         if any(h == handle for h, _, _ in self.waiting):
             self.waiting = [w for w in self.waiting if w[0] != handle]
         elif handle in self.handles:
             self.cancelled.add(handle)
+            if self._open is not None:                   # out of the open block's next calls
+                run = self._open[1]
+                run.retire(run.seqs == self.handles.index(handle))
 
     @property
     def running(self) -> int:
@@ -106,14 +113,46 @@ class LiveBatch:
             update, self._ended = self._ended, LiveUpdate()
             return update
         update, self._ended = self._ended, LiveUpdate()
+        self._open = (batch, run)
         update.rows = len(self.handles)
         sent = [self.sent[h] for h in self.handles]
-        pieces, probs, tops = final_pieces(batch, run, self.dec.mc.mask_token_id, sent)
+        pieces, probs, tops, ended = final_pieces(batch, run, self.dec.mc.mask_token_id, sent)
         for h, n, piece, prob, top in zip(self.handles, sent, pieces, probs, tops):
             if piece and h not in self.cancelled:
                 update.pieces[h], update.probs[h], update.tops[h] = piece, prob, top
                 self.sent[h] = n
+        over = [b for b, (h, e) in enumerate(zip(self.handles, ended))
+                if e and h not in self.answered and h not in self.cancelled]
+        if over:
+            self._answer(batch, run, over, update)
         return update
+
+    def _answer(self, batch: Batch, run, rows: list[int], update: LiveUpdate) -> None:
+        """Report the sequences of batch rows `rows`, over with this call, now: their results from
+        a copy of their rows with the open block written in (the batch itself is settled at the
+        block boundary, as for every row)."""
+        idx = torch.tensor(rows, device=batch.x.device)
+        done = batch.take(idx)
+        at = {b: i for i, b in enumerate(run.seqs.tolist())}
+        self.dec.settle(done, run, torch.tensor([at[b] for b in rows], device=idx.device),
+                        into=torch.arange(len(rows), device=idx.device))
+        now = time.perf_counter()
+        secs = [now - self.joined[self.handles[b]] for b in rows]
+        for b, res in zip(rows, collect_results(done, self.dec.dc.block_length, secs)):
+            h = self.handles[b]
+            self._report(h, res, update)
+            self.answered.add(h)
+
+    def _report(self, h: int, res: SequenceResult, update: LiveUpdate) -> None:
+        """`res` as handle h's result in `update`, with the tokens not sent yet as its last piece."""
+        rest = res.token_ids[self.sent[h]:]
+        if rest:
+            update.pieces[h] = update.pieces.get(h, []) + rest
+            update.probs[h] = update.probs.get(h, []) + res.commit_prob[self.sent[h]:]
+            if res.commit_top is not None:
+                update.tops[h] = (update.tops.get(h) or []) + res.commit_top[self.sent[h]:]
+        self.sent[h] = len(res.token_ids)
+        update.done[h] = res
 
     # ------------------------------------------------------------------ the loop's side
     def _between(self, batch: Batch | None) -> Batch | None:
@@ -135,27 +174,22 @@ class LiveBatch:
     def _leave(self, batch: Batch, now: float) -> Batch | None:
         """Collect the rows that are done (a stop token, or no block left) and drop those and the
         cancelled ones; returns the remaining rows, trimmed, or None."""
+        self._open = None
         done = ((batch.stop_at >= 0) | (batch.gen_start + batch.gen_len <= batch.cursor)).tolist()
-        out = [b for b, h in enumerate(self.handles) if done[b] or h in self.cancelled]
+        gone = self.cancelled | self.answered                    # leave without a result (now)
+        out = [b for b, h in enumerate(self.handles) if done[b] or h in gone]
         if not out:
             return batch
-        finished = [b for b in out if self.handles[b] not in self.cancelled]
-        if finished:
+        finished = [b for b in out if self.handles[b] not in gone]
+        if finished:          # rows that ended in no call of theirs (e.g. a block ETE had filled)
             secs = [now - self.joined[self.handles[b]] for b in finished]
             for b, res in zip(finished, collect_results(batch, self.dec.dc.block_length, secs, rows=finished)):
-                h = self.handles[b]
-                rest = res.token_ids[self.sent[h]:]
-                if rest:
-                    self._ended.pieces[h] = self._ended.pieces.get(h, []) + rest
-                    self._ended.probs[h] = self._ended.probs.get(h, []) + res.commit_prob[self.sent[h]:]
-                    if res.commit_top is not None:
-                        self._ended.tops[h] = (self._ended.tops.get(h) or []) + res.commit_top[self.sent[h]:]
-                self._ended.done[h] = res
+                self._report(self.handles[b], res, self._ended)
         keep = [b for b in range(len(self.handles)) if b not in set(out)]
         for b in out:
             h = self.handles[b]
             self.sent.pop(h, None), self.joined.pop(h, None)
-            self.cancelled.discard(h)
+            self.cancelled.discard(h), self.answered.discard(h)
         self.handles = [self.handles[b] for b in keep]
         if not keep:
             return None

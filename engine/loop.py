@@ -149,15 +149,25 @@ class Decoder:
         if self.budget is not None:          # what this block's plan yielded: tokens, verification calls
             tokens = (run.commit_call >= 0).sum() - (batch.commit_call[seqs, span] >= 0).sum()
             self.budget.observe_block(run.plan, tokens, run.nodes_hist.sum() - batch.nodes_hist[seqs].sum())
-        batch.x[seqs] = run.x
-        batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls, run.rows, run.stop_at
-        batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call, run.commit_step
-        batch.commit_source[seqs, span], batch.commit_prob[seqs, span] = run.commit_source, run.commit_prob
-        batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist, run.nodes_hist
-        if run.commit_top is not None:
-            batch.commit_top[seqs, span] = run.commit_top
+        self.settle(batch, run)
         if self.dc.cross_block:
             carry_over(batch, run)
+
+    @staticmethod
+    def settle(batch: Batch, run: BlockRun, rows=slice(None), into=None) -> None:
+        """Write the open block's state of its rows `rows` (all by default) into `batch`, at the
+        batch rows `into` (default: those rows' own, `run.seqs`). A row that is done with the block
+        can be settled early (engine.live answers a finished sequence in the call it ends)."""
+        seqs = run.seqs[rows] if into is None else into
+        span = slice(run.win.lo, run.win.lo + run.win.width + run.win.ahead)
+        batch.x[seqs] = run.x[rows]
+        batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls[rows], run.rows[rows], run.stop_at[rows]
+        batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call[rows], run.commit_step[rows]
+        batch.commit_source[seqs, span] = run.commit_source[rows]
+        batch.commit_prob[seqs, span] = run.commit_prob[rows]
+        batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist[rows], run.nodes_hist[rows]
+        if run.commit_top is not None:
+            batch.commit_top[seqs, span] = run.commit_top[rows]
 
     # ------------------------------------------------------------------ the three stages
     def _commit(self, run: BlockRun) -> torch.Tensor:
@@ -320,7 +330,7 @@ class Decoder:
         sent = [0] * len(prompts)
         with torch.no_grad():
             for _, run in self._decode(batch):
-                pieces, probs, tops = final_pieces(batch, run, self.mc.mask_token_id, sent)
+                pieces, probs, tops, _ = final_pieces(batch, run, self.mc.mask_token_id, sent)
                 yield StreamUpdate(pieces, probs=probs, tops=tops)
         results = collect_results(batch, self.dc.block_length, time.perf_counter() - t0)
         pieces = [r.token_ids[n:] for r, n in zip(results, sent)]

@@ -128,12 +128,22 @@ def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, (end - batch.gen_start).clamp_min(0)
 
 
+def ended_rows(batch, run) -> torch.Tensor:
+    """[B] bool: the rows whose sequence is over with the latest call: in the open block, done with
+    it (not pending, not failed), and stopped at a stop token or in their last block."""
+    ended = torch.zeros_like(batch.stop_at, dtype=torch.bool)
+    last = (batch.gen_start + batch.gen_len)[run.seqs] <= run.win.lo + run.win.block_length
+    ended[run.seqs] = ~run.pending & (run.failed == 0) & ((run.stop_at >= 0) | last)
+    return ended
+
+
 def final_pieces(batch, run, mask_id: int, sent: list[int]):
     """Tokens of every sequence that are final now and were not sent yet (updates `sent`): the
     generation up to its first masked position, or up to its stop token; and their commit_prob
     and commit_top (None without --top-logprobs; a final token's are final too). Returns (pieces,
-    probs, tops), a list each. Reads back [B] lengths and the new tokens (streaming and continuous
-    batching only; generate never calls this)."""
+    probs, tops, ended): a list each, `ended` the rows whose sequence is over (`ended_rows`). Reads
+    back [B] values and the new tokens (streaming and continuous batching only; generate never
+    calls this)."""
     x, final = final_lengths(batch, run, mask_id)
     span = slice(run.win.lo, run.win.lo + run.commit_prob.shape[1])
     prob = batch.commit_prob.clone()
@@ -142,7 +152,7 @@ def final_pieces(batch, run, mask_id: int, sent: list[int]):
     if batch.commit_top is not None:
         top = batch.commit_top.clone()
         top[run.seqs, span] = run.commit_top
-    final, start = torch.stack((final, batch.gen_start)).tolist()      # one read
+    final, start, ended = torch.stack((final, batch.gen_start, ended_rows(batch, run).long())).tolist()  # one read
     pieces, probs, tops = [], [], []
     for b, n in enumerate(final):
         new = slice(start[b] + sent[b], start[b] + n)
@@ -151,4 +161,4 @@ def final_pieces(batch, run, mask_id: int, sent: list[int]):
         probs.append(prob[b, new].tolist() if fresh else [])
         tops.append(None if top is None else _tops(top[b, new]) if fresh else [])
         sent[b] = max(sent[b], n)
-    return pieces, probs, tops
+    return pieces, probs, tops, [bool(e) for e in ended]

@@ -156,6 +156,11 @@ class BlockRun:
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
 
+    def retire(self, rows) -> None:
+        """These rows (indices into the run) take no further call on this block: they commit nothing
+        more and every later call leaves them out (a cancelled sequence, engine.live)."""
+        self.pending[rows] = False
+
 
 def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_length: int, depth: int,
               nodes: int, device, top_logprobs: int = 0, aligned: bool = False) -> Batch:

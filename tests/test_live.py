@@ -87,6 +87,71 @@ def test_cancelled_sequence_leaves_and_the_others_are_unchanged(model):
     assert live.idle
 
 
+def _rows_per_call(m):
+    """(list of canvases per model call, the hook to remove): one entry per forward."""
+    calls = []
+    hook = m.register_forward_pre_hook(lambda mod, args, kw: calls.append((args[0] if args else kw["ids"]).shape[0]),
+                                       with_kwargs=True)
+    return calls, hook
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_a_cancelled_row_takes_no_further_call(cache):
+    """Issue 31 item 4: cancelled mid-block, a row is in no model call after the one running when the
+    client went (not merely gone at the block boundary); the other row decodes as it would alone."""
+    m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5, std=0.02)
+    dec = Decoder(m, DecodeConfig(method="greedy", gen_length=16, block_length=8, cache=cache))
+    live = LiveBatch(dec)
+    a, b = live.add([1, 2, 3], gen_length=16), live.add([4, 5, 6], gen_length=16)
+    calls, hook = _rows_per_call(m)
+    try:
+        live.step()                                  # the block's first call: both rows
+        live.step()                                  # one greedy step: both rows
+        assert calls == [2, 2]
+        live.cancel(b)
+        done, pieces = {}, {}
+        while (u := live.step()) is not None:
+            done.update(u.done)
+            for h, p in u.pieces.items():
+                pieces.setdefault(h, []).extend(p)
+    finally:
+        hook.remove()
+    assert set(calls[2:]) == {1}                     # every later call: row a alone
+    assert b not in done and b not in pieces and live.idle
+    alone = Decoder(m, DecodeConfig(method="greedy", gen_length=16, block_length=8, cache=cache)).generate([[1, 2, 3]])[0]
+    assert (done[a].token_ids, done[a].calls) == (alone.token_ids, alone.calls)
+
+
+def test_a_finished_sequence_is_answered_in_the_call_it_ends():
+    """Issue 31 item 4: a sequence is answered (its result, with its last tokens) by the step that commits
+    its last tokens, not at the block boundary; the result is the one it would have alone."""
+    cfg = ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62)
+    m = init_random(cfg, seed=5, std=0.02)
+    dc = DecodeConfig(method="psd", policy_name="confidence", depth=3, gen_length=8, block_length=8, cache="dual")
+    dec = Decoder(m, dc)
+    live = LiveBatch(dec)
+    short, long_ = live.add([1, 2, 3], gen_length=8), live.add([9, 8, 7, 6], gen_length=32)
+    calls, hook = _rows_per_call(m)
+    got, step_done, step_last_piece = [], None, None
+    try:
+        n = 0
+        while (u := live.step()) is not None:
+            n += 1
+            if short in u.pieces:
+                got += u.pieces[short]
+                step_last_piece = n
+            if short in u.done:
+                step_done, res = n, u.done[short]
+    finally:
+        hook.remove()
+    alone = Decoder(m, dc).generate([[1, 2, 3]])[0]
+    assert step_done == step_last_piece and got == res.token_ids == alone.token_ids
+    assert (res.calls, res.commit_call, res.commit_step) == (alone.calls, alone.commit_call, alone.commit_step)
+    # its last call's output is committed at the start of the next step (stage 1), whose update answers it,
+    # whatever the long row still does in block 0 (before: at that block's end)
+    assert step_done == alone.calls + 1
+
+
 def test_the_canvas_stays_bounded_however_long_it_runs():
     m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5, std=0.02)
     dec = Decoder(m, DecodeConfig(method="greedy", gen_length=16, block_length=8))
