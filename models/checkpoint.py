@@ -415,6 +415,23 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Inside it, `normal_` (an nn.Embedding's initialisation) does nothing to a tensor on the meta
+    device, which has no values to set. Its meta kernel imports torch._dynamo, and with it triton
+    and sympy: 1.2-1.9 s of a 2-core CPU before the first token, for a model whose every parameter
+    the checkpoint's tensors replace right after. Any other call runs as usual."""
+
+    INITS = (torch.nn.init.normal_, torch.Tensor.normal_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.INITS:
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                check_finite: bool = True, tp: TensorParallel | None = None) -> Transformer:
     """Load a checkpoint directory of any supported family into a `Transformer` (eval mode).
@@ -444,7 +461,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
               f"{' and '.join(_SKIPPED_PREFIXES[config.family])}): this engine runs the text model", file=sys.stderr)
     check_fits(config, dtype, device, str(path / "config.json"),
                sum(check_safetensors(f) for f in set(files.values())), world)
-    with torch.device("meta"):
+    with torch.device("meta"), SkipMetaInit():
         full = Transformer(config)
         model = Transformer(config, tp) if tp is not None else full
     shapes = {k: tuple(p.shape) for k, p in _pack(config, dict(full.named_parameters())).items()}

@@ -179,3 +179,17 @@ def test_no_arguments_answers_a_suite_question_with_the_shipped_model():
     assert "sample question" in p.stderr and "Question:" in p.stderr
     assert obj["model"].endswith("default") and 1 <= obj["tokens"] <= 64
     assert obj["text"].strip()
+
+
+def test_start_up_loads_no_compiler_and_no_tooling():
+    """`python -m engine.generate` to its answer imports neither torch's compiler stack (torch._dynamo
+    brings triton and sympy: 1.2-1.9 s of start-up on the 2-core machine, which building the model
+    on the meta device used to cost through nn.Embedding's normal_) nor the tooling (bench, the
+    server's extras, transformers)."""
+    code = ("import sys\nfrom engine.cli import main\n"
+            "rc = main(['--gen-length', '32', '--threads', '1'])\n"
+            "print('imported', rc, sorted(m for m in ('torch._dynamo', 'torch._inductor', 'triton', 'sympy', "
+            "'transformers', 'bench', 'fastapi', 'uvicorn', 'engine.serve') if m in sys.modules))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert res.stdout.strip().splitlines()[-1] == "imported 0 []", res.stdout[-2000:] + res.stderr[-2000:]
