@@ -14,6 +14,9 @@ Text in, text out (engine/text.py; works from any directory, default: the shippe
     lm = engine.load()                       # or engine.load("path/to/checkpoint", dtype="bfloat16")
     lm.generate(["Question: What is 2 + 3?\nAnswer: "], method="psd", threshold=0.9)   # -> list[str]
 """
+import sys
+import types
+
 from .cache import CACHE_MODES
 from .config import DecodeConfig
 from .errors import DecodingError, InputError
@@ -24,6 +27,23 @@ from .options import ACCEPTANCE, OPTIONS, Option
 from .policies import Confidence, Greedy, LocalLeap, Policy, TopK
 from .results import SequenceResult, StreamUpdate, aggregate
 from .text import TextModel, generate_text, load
+
+
+
+class _Package(types.ModuleType):
+    """`import engine.generate` binds the submodule as an attribute of its package, which would
+    shadow the function `engine.generate`; the package keeps the function instead. (Kept after
+    issue 30 item 9 tried the alternatives: putting the function in sys.modules["engine.generate"]
+    loses `from engine.generate import main` and breaks importlib.util.find_spec on it, and
+    importing the submodule first makes `python -m engine.generate` print runpy's warning.)"""
+
+    def __setattr__(self, name, value):
+        if name == "generate" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "OPTIONS", "Confidence", "DecodeConfig", "Decoder", "DecodingError", "DraftGraph",
            "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "SequenceResult", "StreamUpdate", "TextModel",
