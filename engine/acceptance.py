@@ -12,7 +12,7 @@ Inputs shared by every selection:
     step    [R]       int64  the root's step index inside the block (topk's schedule)
     width   int or None      --cross-block: positions from `width` on are the next block's
                              (hierarchical selection only; None: every position is the block's)
-    noise   [R, L] or None   a random policy's draw for the block (hierarchical selection only)
+    state   PolicyState or None  the rows' policy state, columns cut to the L positions (hierarchical only)
 Each returns (kept node [R], its step index [R], accepted [R, K]); a kept node holding
 next-block positions reports its step index inside the next block.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .graph import DraftGraph
-from .policies import Policy, policy_select
+from .policies import Policy, PolicyState, policy_select
 
 
 def _deepest(accepted: torch.Tensor, node_size: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _deepest(accepted: torch.Tensor, node_size: torch.Tensor) -> torch.Tensor:
 
 
 def hierarchical(policy: Policy, graph: DraftGraph, mask_id: int, drafts, in_node, valid, vpred, vconf, step,
-                 exact: bool = False, width: int | None = None, noise: torch.Tensor | None = None):
+                 exact: bool = False, width: int | None = None, state: PolicyState | None = None):
     """Node k is accepted if some accepted parent p has, for every i in S_k \\ S_p, the drafted
     token equal to the verifier's x̂_{p,i} and i ∈ π(draft_p, out_p) (policy mode), or
     S_k \\ S_p = π(draft_p, out_p) with all tokens agreeing (exact, lossless mode).
@@ -58,12 +58,12 @@ def hierarchical(policy: Policy, graph: DraftGraph, mask_id: int, drafts, in_nod
             new = in_node[:, k] & ~in_node[:, p]
             tok_ok = (~new | (drafts[:, k] == vpred[:, p])).all(-1)
             commit_p = policy_select(policy, vconf[:, p, :W], drafts[:, p, :W] == mask_id, node_step[:, p],
-                                     None if noise is None else noise[:, :W])
+                                     None if state is None else state.take(span=slice(0, W)))
             next_step = node_step[:, p] + 1
             if W < L:
                 at = torch.where(ahead[:, p], node_step[:, p], 0)
                 nxt = policy_select(policy, vconf[:, p, W:], drafts[:, p, W:] == mask_id, at,
-                                    None if noise is None else noise[:, W:]) & done[:, p, None]
+                                    None if state is None else state.take(span=slice(W, None))) & done[:, p, None]
                 commit_p = torch.cat((commit_p, nxt), -1)
                 next_step = torch.where(ahead[:, k], at + 1, next_step)
             crit = (new == commit_p).all(-1) if exact else (~new | commit_p).all(-1)
@@ -108,11 +108,11 @@ def best_score(mask_id: int, drafts, valid, vconf, step):
 
 
 class Selection:
-    """`select(drafts, in_node, valid, vpred, vconf, step, width=None, noise=None) -> (kept [R],
+    """`select(drafts, in_node, valid, vpred, vconf, step, width=None, state=None) -> (kept [R],
     step of kept [R], accepted [R, K])`.
     `build(cfg, policy, graph, mask_id)` makes one from a decoding config."""
 
-    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, noise=None):
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, state=None):
         raise NotImplementedError
 
 
@@ -126,9 +126,9 @@ class Hierarchical(Selection):
     def build(cls, cfg, policy, graph, mask_id):
         return cls(policy, graph, mask_id, cfg.exact)
 
-    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, noise=None):
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, state=None):
         return hierarchical(self.policy, self.graph, self.mask_id, drafts, in_node, valid, vpred, vconf, step,
-                            exact=self.exact, width=width, noise=noise)
+                            exact=self.exact, width=width, state=state)
 
 
 class BestScore(Selection):
@@ -141,7 +141,7 @@ class BestScore(Selection):
     def build(cls, cfg, policy, graph, mask_id):
         return cls(mask_id)
 
-    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, noise=None):
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, state=None):
         return best_score(self.mask_id, drafts, valid, vconf, step)
 
 
@@ -157,5 +157,5 @@ class DraftConfidence(Selection):
 
         return cls(Confidence.tau if cfg.threshold is None else cfg.threshold, graph, mask_id)
 
-    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, noise=None):
+    def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, state=None):
         return threshold_only(self.tau, self.graph, self.mask_id, drafts, in_node, valid, vpred, vconf, step)

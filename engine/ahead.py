@@ -18,6 +18,8 @@ import torch
 
 import psd_kernels
 
+from .state import state_of
+
 
 def first_output(decoder, batch, seqs, x, valid, pos, win):
     """The block's first output for rows `seqs`: carried over where the previous block was
@@ -46,7 +48,7 @@ def first_output(decoder, batch, seqs, x, valid, pos, win):
     return pred, conf, None, ahead, cache, (~carried).long(), step
 
 
-def _by_confidence(conf, masked, step, noise):
+def _by_confidence(conf, masked, step, state):
     return conf
 
 
@@ -57,16 +59,16 @@ def draft_across(run, act, masked, node_ranks, stop_ids, mask_id: int, draft_key
     at or beyond the block's masked count m is valid only if it holds every rank below m (it
     completes the block), the completed block holds no stop token (the row would end there), and
     the row's latest output covers the next block (a row that entered its block without a call
-    has none until its first verification call). `draft_key(conf, masked, step, noise)`: the key each
+    has none until its first verification call). `draft_key(conf, masked, step, state)`: the key each
     part is ranked by (the decoder's: the policy's own draft order; by default confidence)."""
     W, L = run.win.width, run.win.ahead
     lo, hi = run.win.lo, run.win.hi
     blk = run.x[act, lo:hi + L]
     masked = torch.cat((masked[act], blk[:, W:] == mask_id), -1)
     # one ordering key: the block's masked positions above every next-block one, each part by rank
-    noise = (None, None) if run.noise is None else (run.noise[act, :W], run.noise[act, W:])
-    here_key = draft_key(run.conf[act], masked[:, :W], run.step[act], noise[0])
-    there_key = draft_key(run.ahead_conf[act], masked[:, W:], torch.zeros_like(run.step[act]), noise[1])
+    here_key = draft_key(run.conf[act], masked[:, :W], run.step[act], state_of(run, act, slice(0, W)))
+    there_key = draft_key(run.ahead_conf[act], masked[:, W:], torch.zeros_like(run.step[act]),
+                          state_of(run, act, slice(W, None)))
     here, _ = psd_kernels.position_ranks(here_key.float(), masked[:, :W])
     there, _ = psd_kernels.position_ranks(there_key.float(), masked[:, W:])
     key = torch.cat((2 * (W + L) - here, (W + L) - there), -1).float()

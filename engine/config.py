@@ -178,6 +178,7 @@ def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | None = None) 
                 > mc.max_length:
             raise InputError(f"prompt {n} of {len(ids)} tokens plus gen length {gen_length} exceeds "
                              f"the model's maximum length {mc.max_length}")
+        dc.spec.policy_class(dc).validate_request(dc, ids, gen_length)      # the policy's own word on it
         out.append(ids)
     return out
 

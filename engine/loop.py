@@ -34,10 +34,10 @@ from .errors import InputError
 from .graph import make_plan
 from .graphs import graphed
 from .progress import apply_stopping, generated, guard_progress, raise_failure, settle_edits
-from .policies import policy_select, rank_of, sequence_noise
+from .policies import policy_key, policy_select, rank_of
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
 from .sampling import Sampler
-from .state import Batch, BlockRun, new_batch
+from .state import Batch, BlockRun, new_batch, state_of
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
 
@@ -85,13 +85,8 @@ class Decoder:
         lengths = gen_lengths or [self.dc.gen_length] * len(prompts)
         batch = new_batch(self.mc, prompts, lengths, self.dc.block_length, self.graph.depth, len(self.graph),
                           self.model.device, self.dc.top_logprobs, aligned=self.dc.aligned(self.mc))
-        if self.policy.random:           # each sequence's draw at its generated positions
-            G, starts = int(batch.gen_len.max()), batch.gen_start.tolist()
-            batch.noise = torch.zeros(batch.x.shape, device=self.model.device)
-            draw = sequence_noise(prompts, self.dc.seed, G).to(self.model.device)
-            for b, g0 in enumerate(starts):
-                n = min(G, batch.x.shape[1] - g0)
-                batch.noise[b, g0:g0 + n] = draw[b, :n]
+        batch.policy_state = self.policy.init_state(prompts, self.dc.seed, batch.gen_start, batch.gen_len,
+                                                    batch.x.shape[1])          # None: a stateless policy
         return batch
 
     def _open_block(self, batch: Batch) -> BlockRun | None:
@@ -124,7 +119,7 @@ class Decoder:
             depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
             nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
             carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
-            noise=None if batch.noise is None else batch.noise[seqs, span], top=top,
+            policy_state=None if batch.policy_state is None else batch.policy_state.take(seqs, span), top=top,
             commit_top=None if batch.commit_top is None else batch.commit_top[seqs, span],
             post=zeros() if self.policy.edits else None)
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
@@ -168,6 +163,8 @@ class Decoder:
         batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist[rows], run.nodes_hist[rows]
         if run.commit_top is not None:
             batch.commit_top[seqs, span] = run.commit_top[rows]
+        if run.policy_state is not None:
+            batch.policy_state.put(seqs, run.policy_state.take(rows), span)
 
     # ------------------------------------------------------------------ the three stages
     def _commit(self, run: BlockRun) -> torch.Tensor:
@@ -176,8 +173,8 @@ class Decoder:
         masked = blk == self.mc.mask_token_id
         # a row with nothing masked is in an editing pass (policy.edits): it commits nothing
         was_pending, may_idle = run.pending.clone(), self.policy.may_idle(run.step) | ~masked.any(-1)
-        noise = None if run.noise is None else run.noise[:, :run.win.width]
-        commit = policy_select(self.policy, run.conf, masked, run.step, noise) & run.pending[:, None]
+        state = state_of(run, span=slice(0, run.win.width))
+        commit = policy_select(self.policy, run.conf, masked, run.step, state) & run.pending[:, None]
         if self.budget is not None:
             self.budget.observe_commit(commit, was_pending)
         if self.policy.edits:        # token editing: committed generated tokens the same output replaces
@@ -191,6 +188,7 @@ class Decoder:
         if run.top is not None:
             run.commit_top[:, :W] = torch.where(commit[..., None, None], run.top, run.commit_top[:, :W])
         run.step = run.step + run.pending.long()
+        run.policy_state = self.policy.update(run.policy_state, commit, run.step)     # None stays None
         if self.policy.edits:
             masked_after = settle_edits(run, self.policy, self.stop_ids, self.mc.mask_token_id, masked, commit,
                                         generated(run))
@@ -210,18 +208,17 @@ class Decoder:
         W = run.win.width
         if len(run.plan.graph) == 1:
             return blk[:, None], torch.zeros_like(blk, dtype=torch.bool)[:, None], torch.ones_like(masked[:, :1])
-        noise = None if run.noise is None else run.noise[act, :W]
-        key = self._draft_key(run.conf[act], masked, run.step[act], noise)
+        key = self._draft_key(run.conf[act], masked, run.step[act], state_of(run, act, slice(0, W)))
         drafts, valid = psd_kernels.assemble_drafts(blk, masked, run.pred[act], key.float(), run.plan.node_ranks)
         # a drafted position was masked (mask id) and now holds a prediction (never the mask id)
         return drafts, drafts != blk[:, None], valid
 
-    def _draft_key(self, conf, masked, step, noise=None) -> torch.Tensor:
+    def _draft_key(self, conf, masked, step, state=None) -> torch.Tensor:
         """What σ ranks drafts by: the policy's own order (`Policy.draft_key`), or confidence
         whatever the policy (`--draft-order confidence`)."""
         if self.dc.draft_order == "confidence":
             return conf
-        return self.policy.draft_key(conf, masked, step, **({"noise": noise} if self.policy.random else {}))
+        return policy_key(self.policy, conf, masked, step, state)
 
     def _canvases(self, run: BlockRun, act: torch.Tensor, drafts, valid):
         """The canvases of a verification call: (row, node) pairs [R'] (index into A·K), the
@@ -251,7 +248,7 @@ class Decoder:
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W,
-                                                    noise=None if run.noise is None else run.noise[act])
+                                                    state=state_of(run, act))
         if self.budget is not None:
             self.budget.observe(run.plan, accepted, valid)
         ar = torch.arange(A, device=dev)
@@ -307,8 +304,8 @@ class Decoder:
                 if act.numel() == 0:
                     break
                 if self.trace is not None:
-                    noise = None if run.noise is None else run.noise[act, :run.win.width]
-                    key = self._draft_key(run.conf[act], masked[act], run.step[act], noise)
+                    key = self._draft_key(run.conf[act], masked[act], run.step[act],
+                                          state_of(run, act, slice(0, run.win.width)))
                     self.trace(run.seqs[act], index, run.step[act] - 1, rank_of(key.float(), masked[act]),
                                run.pred[act])
                 self._verify(run, act, *self._draft(run, act, masked))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -43,12 +43,61 @@ def rank_of(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     return torch.where(masked, ranks, after)
 
 
-def policy_select(policy: "Policy", conf, masked, step, noise=None) -> torch.Tensor:
-    """`policy.select`, with the block's noise for a random policy (a deterministic policy's
+@dataclass
+class PolicyState:
+    """A policy's per-sequence state (`Policy.init_state`), which the loop carries with its rows and
+    never reads: `rows` holds tensors [B, ...] (one entry per sequence), `columns` tensors [B, N, ...]
+    in canvas columns (one entry per position: they move when the canvas is padded or trimmed, and
+    an open block sees its window of them). Rows are taken, joined and written back with the
+    batch's (engine.state), so the state follows its sequence through continuous batching."""
+
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    columns: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.rows[name] if name in self.rows else self.columns[name]
+
+    def take(self, rows=slice(None), span=slice(None)) -> "PolicyState":
+        """The state of rows `rows`, its columns cut to `span`."""
+        return PolicyState({k: v[rows] for k, v in self.rows.items()},
+                           {k: v[rows][:, span] for k, v in self.columns.items()})
+
+    def put(self, rows, other: "PolicyState", span=slice(None)) -> None:
+        """Write `other` (the state of rows `rows`, columns `span`) into this one."""
+        for k, v in other.rows.items():
+            self.rows[k][rows] = v
+        for k, v in other.columns.items():
+            self.columns[k][rows, span] = v
+
+    def shift(self, left: int, right: int) -> "PolicyState":
+        """Columns padded with zeros (`left` before, `right` after; cut where negative)."""
+        def pad(v):
+            N = v.shape[1]
+            v = v[:, max(0, -left):N - max(0, -right)]
+            return torch.cat([v.new_zeros(v.shape[0], max(0, left), *v.shape[2:]), v,
+                              v.new_zeros(v.shape[0], max(0, right), *v.shape[2:])], 1)
+        return PolicyState(dict(self.rows), {k: pad(v) for k, v in self.columns.items()})
+
+    def join(self, other: "PolicyState") -> "PolicyState":
+        """These rows, then `other`'s (columns already aligned)."""
+        def cat(a, b):
+            return {k: torch.cat((v, b[k].to(v.dtype))) for k, v in a.items()}
+        return PolicyState(cat(self.rows, other.rows), cat(self.columns, other.columns))
+
+
+def policy_select(policy: "Policy", conf, masked, step, state: PolicyState | None = None) -> torch.Tensor:
+    """`policy.select`, with the rows' `PolicyState` where the policy keeps one (a stateless policy's
     select keeps its three arguments, so a user's policy written for them still works)."""
-    if policy.random:
-        return policy.select(conf, masked, step, noise=noise)
-    return policy.select(conf, masked, step)
+    if state is None:
+        return policy.select(conf, masked, step)
+    return policy.select(conf, masked, step, state=state)
+
+
+def policy_key(policy: "Policy", conf, masked, step, state: PolicyState | None = None) -> torch.Tensor:
+    """`policy.draft_key`, with the rows' `PolicyState` where the policy keeps one."""
+    if state is None:
+        return policy.draft_key(conf, masked, step)
+    return policy.draft_key(conf, masked, step, state=state)
 
 
 def sequence_noise(prompts: list[list[int]], seed: int, length: int) -> torch.Tensor:
@@ -94,7 +143,6 @@ class Policy:
     name: ClassVar[str] = "base"
     params: ClassVar[dict[str, str]] = {}
     declares: ClassVar[tuple] = ()
-    random: ClassVar[bool] = False   # True: select and draft_key take `noise`, the sequence's random draw
 
     @classmethod
     def from_config(cls, cfg) -> "Policy":
@@ -106,6 +154,24 @@ class Policy:
         """Raise InputError where `cfg` cannot drive this policy (beyond each option's own range)."""
 
     @classmethod
+    def validate_request(cls, cfg, prompt: list[int], gen_length: int) -> None:
+        """Raise InputError where this policy cannot decode one request (its prompt's token ids and
+        gen length) under `cfg`; every front end reaches it through `engine.config.check_prompts`."""
+
+    def init_state(self, prompts, seed: int, gen_start, gen_len, width: int) -> PolicyState | None:
+        """The per-sequence state of a new batch's rows, or None (the policy keeps none, and its
+        `select` / `draft_key` take three arguments). `prompts`: the rows' token ids; `gen_start`,
+        `gen_len` [B]: each row's first generated column and length; `width`: the canvas columns N.
+        The loop hands the rows' state to `select`, `draft_key` and `update` as `state=`."""
+        return None
+
+    def update(self, state: PolicyState | None, commit: torch.Tensor, step: torch.Tensor):
+        """The state after a stage 1 that committed `commit` [R, W] (only rows still decoding the block
+        commit anything; `step` [R]: the steps each row has now taken in its block). Drafts are
+        verified against `select` with the state as it is; a kept draft's steps do not update it."""
+        return state
+
+    @classmethod
     def defaults(cls) -> dict:
         """Option name -> this policy's default value (for help texts)."""
         fields = cls.__dataclass_fields__
@@ -113,12 +179,11 @@ class Policy:
                 if f in fields and fields[f].default is not dataclasses.MISSING}
 
     def select(self, conf: torch.Tensor, masked: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """The commit mask [R, L]. A policy with `random = True` is called with a keyword `noise`
-        [R, L]: uniform draws in [0, 1), one per generated position of a sequence, made once from the
-        decoder's seeded generator (every call sees the same draw, so drafts can follow it)."""
+        """The commit mask [R, L]. A policy with state (`init_state`) is called with a keyword `state`:
+        its rows' `PolicyState`, columns cut to the same L positions."""
         raise NotImplementedError
 
-    def draft_key(self, conf: torch.Tensor, masked: torch.Tensor, step: torch.Tensor, **noise) -> torch.Tensor:
+    def draft_key(self, conf: torch.Tensor, masked: torch.Tensor, step: torch.Tensor, **state) -> torch.Tensor:
         """The order stage 2 drafts future steps in: a float key [R, L], higher first, ties to the
         lower position (σ = `psd_kernels.position_ranks(key, masked)`). It should rank positions
         the way this policy's own next steps would commit them; by default, confidence."""
@@ -352,22 +417,32 @@ class LeftToRight(Policy):
 @dataclass(frozen=True)
 class Random(TopK):
     """LLaDA's `remasking='random'`: its step schedule, the positions drawn uniformly at random.
-    Each sequence draws one uniform number per generated position when its batch starts (the
-    decoder's seeded generator) and every step commits the still-masked positions with the largest
-    draws: the same distribution as a fresh draw per step (the masked positions left are
-    exchangeable), and the order the next steps will take is known, so drafts follow it."""
+    Each sequence draws one uniform number per generated position when its batch starts (its
+    state: `sequence_noise`, seeded by --seed and its prompt) and every step commits the
+    still-masked positions with the largest draws: the same distribution as a fresh draw per step
+    (the masked positions left are exchangeable), and the order the next steps will take is known,
+    so drafts follow it."""
 
     name = "random"
-    random = True
     declares = ()
 
-    def select(self, conf, masked, step, noise=None):
-        if noise is None:
-            raise InputError("the random policy needs the block's noise (Decoder passes it)")
-        return super().select(noise, masked, step)
+    def init_state(self, prompts, seed, gen_start, gen_len, width):
+        """Each sequence's draw at its generated columns (columns: it moves with the canvas)."""
+        G, starts, dev = int(gen_len.max()), gen_start.tolist(), gen_start.device
+        noise = torch.zeros(len(prompts), width, device=dev)
+        draw = sequence_noise(prompts, seed, G).to(dev)
+        for b, g0 in enumerate(starts):
+            n = min(G, width - g0)
+            noise[b, g0:g0 + n] = draw[b, :n]
+        return PolicyState(columns={"noise": noise})
 
-    def draft_key(self, conf, masked, step, noise=None):
-        return noise
+    def select(self, conf, masked, step, state=None):
+        if state is None:
+            raise InputError("the random policy needs its state, the sequence's noise (the loop passes it)")
+        return super().select(state["noise"], masked, step)
+
+    def draft_key(self, conf, masked, step, state=None):
+        return state["noise"]
 
     def describe(self):
         return "random" + super().describe()[4:]

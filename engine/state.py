@@ -9,6 +9,7 @@ import torch
 from models import position_ids
 
 from .cache import Window
+from .policies import PolicyState
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Batch:
     carry_conf: torch.Tensor       # [B, L]   completed this one (a kept draft), valid where carry_ok
     carry_ok: torch.Tensor         # [B] bool
     carry_step: torch.Tensor       # [B] the step inside the next block its kept draft reached
-    noise: torch.Tensor | None = None   # [B, N] a random policy's draw per generated position (Policy.random)
+    policy_state: PolicyState | None = None   # the policy's per-sequence state (Policy.init_state)
     pad_id: int = 0                # the token at padded columns (never the mask id)
     commit_top: torch.Tensor | None = None   # [B, N, k, 2] float64 (--top-logprobs k): per position, the
                                              # (id, probability) of the k most likely tokens in the output
@@ -57,7 +58,7 @@ class Batch:
     def _columns(self):
         """(name, value at a padded column) of every [B, N] tensor."""
         return (("x", self.pad_id), ("valid", False), ("commit_call", -1), ("commit_step", -1),
-                ("commit_source", 0), ("commit_prob", 0.0), ("noise", 0.0), ("commit_top", 0.0))
+                ("commit_source", 0), ("commit_prob", 0.0), ("commit_top", 0.0))
 
     def _rows(self):
         return ("gen_start", "gen_len", "out_len", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
@@ -69,6 +70,7 @@ class Batch:
         for name in self._rows() + tuple(n for n, _ in self._columns()):
             v = getattr(self, name)
             kw[name] = None if v is None else v[rows]
+        kw["policy_state"] = None if self.policy_state is None else self.policy_state.take(rows)
         return Batch(**kw)
 
     def shift(self, left: int, right: int, position_ids) -> "Batch":
@@ -89,6 +91,7 @@ class Batch:
         kw["stop_at"] = torch.where(self.stop_at >= 0, self.stop_at + left, self.stop_at)
         kw["cursor"], kw["prompt_width"] = self.cursor + left, self.prompt_width + left
         kw["pos"] = position_ids(kw["valid"])
+        kw["policy_state"] = None if self.policy_state is None else self.policy_state.shift(left, right)
         return Batch(**kw)
 
     def trimmed(self, position_ids) -> "Batch":
@@ -110,6 +113,7 @@ def join(a: Batch, b: Batch, position_ids) -> Batch:
     for name in a._rows() + tuple(n for n, _ in a._columns()) + ("pos",):
         va, vb = getattr(a, name), getattr(b, name)
         kw[name] = None if va is None else torch.cat((va, vb.to(va.dtype)))
+    kw["policy_state"] = None if a.policy_state is None else a.policy_state.join(b.policy_state)
     return Batch(**kw)
 
 
@@ -147,7 +151,7 @@ class BlockRun:
     carry: torch.Tensor | None = None        # [S] bool: that output is of the completed block
     ahead_step: torch.Tensor | None = None   # [S] the kept draft's step inside the next block (0: none)
     ahead_ok: torch.Tensor | None = None     # [S] bool: ahead_* hold the latest output's next block
-    noise: torch.Tensor | None = None        # [S, W + ahead] a random policy's draw (Batch.noise)
+    policy_state: PolicyState | None = None  # its rows' Batch.policy_state, columns cut to [S, W + ahead]
     top: torch.Tensor | None = None          # [S, W, k, 2] the latest output's k most likely (id, prob) (--top-logprobs)
     commit_top: torch.Tensor | None = None   # [S, W, k, 2] as Batch.commit_top
     post: torch.Tensor | None = None         # [S] token editing (Policy.edits): editing passes taken on the
@@ -160,6 +164,12 @@ class BlockRun:
         """These rows (indices into the run) take no further call on this block: they commit nothing
         more and every later call leaves them out (a cancelled sequence, engine.live)."""
         self.pending[rows] = False
+
+
+def state_of(run: BlockRun, rows=slice(None), span=slice(None)) -> PolicyState | None:
+    """The policy state of the run's rows `rows`, its columns cut to `span` (columns of the run's
+    window: 0 is its first); None for a stateless policy."""
+    return None if run.policy_state is None else run.policy_state.take(rows, span)
 
 
 def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_length: int, depth: int,

@@ -149,7 +149,9 @@ class PolicyContract:
             masked = torch.rand(7, L, generator=g) < 0.6
             masked[3] = False                                  # a row with nothing left commits nothing
             step = torch.randint(0, L, (7,), generator=g)
-            sel = policy_select(policy, conf, masked, step, torch.rand(7, L, generator=g))
+            state = policy.init_state([[i + 1, 2] for i in range(7)], 0, torch.zeros(7, dtype=torch.long),
+                                      torch.full((7,), L), L)          # its own per-sequence state, if any
+            sel = policy_select(policy, conf, masked, step, state)
             assert sel.dtype == torch.bool and sel.shape == masked.shape
             assert not (sel & ~masked).any()
             idle = policy.may_idle(step)

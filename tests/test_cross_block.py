@@ -148,7 +148,7 @@ def _run(rows):
     x = torch.cat((t(0), torch.full((len(rows), 4), M)), -1)
     return SimpleNamespace(win=Window(0, 4, 0, 4, 4), x=x, pred=t(1), conf=t(2, torch.float32),
                            ahead_pred=t(3), ahead_conf=t(4, torch.float32), ahead_ok=t(5, torch.bool),
-                           step=torch.zeros(len(rows), dtype=torch.long), noise=None)
+                           step=torch.zeros(len(rows), dtype=torch.long), policy_state=None)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import DecodeConfig, Decoder, InputError, generate
-from engine.policies import LeftToRight, Random, policy_select, rank_of, sequence_noise
+from engine.policies import LeftToRight, PolicyState, Random, policy_select, rank_of, sequence_noise
 from models import ModelConfig, init_random
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23]]
@@ -83,11 +83,11 @@ def test_random_drafts_the_order_its_own_draw_takes():
     masked = torch.ones(3, L, dtype=torch.bool)
     order = []
     for s in range(L):
-        sel = policy_select(pol, conf, masked, torch.full((3,), s), noise)
+        sel = policy_select(pol, conf, masked, torch.full((3,), s), PolicyState(columns={"noise": noise}))
         order.append(sel.long().argmax(-1))
         masked &= ~sel
     order = torch.stack(order, -1)                      # [3, L] committed position per step
-    key_ranks = rank_of(pol.draft_key(conf, torch.ones(3, L, dtype=torch.bool), None, noise=noise),
+    key_ranks = rank_of(pol.draft_key(conf, torch.ones(3, L, dtype=torch.bool), None, state=PolicyState(columns={"noise": noise})),
                         torch.ones(3, L, dtype=torch.bool))
     assert torch.equal(order, key_ranks.argsort(-1))
 
@@ -140,7 +140,8 @@ def test_random_first_position_is_uniform():
     pol, n = Random(L, L), 800
     conf = torch.linspace(0, 1, L).expand(n, L)          # confidence would always pick the last position
     noise = torch.cat([sequence_noise([[1, 2]], s, L) for s in range(n)])
-    first = policy_select(pol, conf, torch.ones(n, L, dtype=torch.bool), torch.zeros(n, dtype=torch.long), noise)
+    first = policy_select(pol, conf, torch.ones(n, L, dtype=torch.bool), torch.zeros(n, dtype=torch.long),
+                          PolicyState(columns={"noise": noise}))
     counts = collections.Counter(first.long().argmax(-1).tolist())
     expect = n / L
     chi2 = sum((counts.get(i, 0) - expect) ** 2 / expect for i in range(L))

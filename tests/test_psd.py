@@ -97,18 +97,20 @@ def verifier_case(draw):
     vpred = torch.randint(0, 3, (R, K, L), generator=g)
     vconf = torch.rand(R, K, L, generator=g)
     exact = draw(st.booleans())
-    noise = torch.rand(R, L, generator=g)                   # a random policy's draw (others ignore it)
-    return graph, policy, drafts, in_node, valid, vpred, vconf, exact, noise
+    # the policy's own per-sequence state (random: its draw; None for a stateless policy)
+    state = policy.init_state([[seed, r] for r in range(R)], seed, torch.zeros(R, dtype=torch.long),
+                              torch.full((R,), L), L)
+    return graph, policy, drafts, in_node, valid, vpred, vconf, exact, state
 
 
 @settings(max_examples=150, deadline=None)
 @given(verifier_case())
 def test_hierarchical_acceptance_properties(case):
-    graph, policy, drafts, in_node, valid, vpred, vconf, exact, noise = case
+    graph, policy, drafts, in_node, valid, vpred, vconf, exact, state = case
     R, K, L = drafts.shape
     step = torch.zeros(R, dtype=torch.long)
     best, _, acc = acceptance.hierarchical(policy, graph, MASK, drafts, in_node, valid, vpred, vconf, step, exact=exact,
-                                           noise=noise)
+                                           state=state)
     sizes = [len(s) for s in graph.nodes]
     for r in range(R):
         assert acc[r, 0]
@@ -123,7 +125,8 @@ def test_hierarchical_acceptance_properties(case):
                     continue
                 new = in_node[r, k] & ~in_node[r, p]
                 commit = policy_select(policy, vconf[r, p][None], (drafts[r, p] == MASK)[None],
-                                       torch.zeros(1, dtype=torch.long), noise[r][None])[0]
+                                       torch.zeros(1, dtype=torch.long),
+                                       None if state is None else state.take(slice(r, r + 1)))[0]
                 tokens_ok = bool((drafts[r, k][new] == vpred[r, p][new]).all())
                 crit = bool(torch.equal(new, commit)) if exact else bool(commit[new].all())
                 ok_parent |= tokens_ok and crit
