@@ -20,7 +20,11 @@ class DecodeConfig:
     given, else the option's default (`None` for a policy parameter: the policy's own default). The
     types below are the table's (tests/test_methods.py holds them to it); defaults and help live
     only in engine/options.py. Options a policy declares (e.g. topk's `schedule`, `eps`) are
-    attributes too, untyped here."""
+    attributes too, untyped here.
+
+    Frozen: an attribute cannot be set after construction (`replace(**options)` makes a changed
+    copy), so `validate` checks a config once and its policy and draft graph are built once, the
+    same objects for the checks, the decoder and `describe`."""
 
     method: str
     gen_length: int
@@ -57,15 +61,28 @@ class DecodeConfig:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise InputError(f"unknown decoding option {unknown[0]!r}; options: {', '.join(sorted(OPTIONS))}")
-        self.method = method
-        self.given = {k: v for k, v in options.items() if v is not None}   # None = not given
+        given = {k: v for k, v in options.items() if v is not None}   # None = not given
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "given", given)
         for name, option in OPTIONS.items():
-            setattr(self, name, self.given.get(name, option.default))
+            object.__setattr__(self, name, given.get(name, option.default))
 
     def __getattr__(self, name):      # only an option registered after this config was made
         if name in OPTIONS:
             return OPTIONS[name].default
         raise AttributeError(f"DecodeConfig has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"DecodeConfig is frozen: replace({name}=...) makes a changed copy")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"DecodeConfig is frozen: {name} cannot be deleted")
+
+    def _once(self, key: str, build):
+        """`build()`, made on the first call only (the config never changes)."""
+        if key not in self.__dict__:
+            object.__setattr__(self, key, build())
+        return self.__dict__[key]
 
     def replace(self, **options) -> "DecodeConfig":
         given = {**self.given, **options}
@@ -83,6 +100,8 @@ class DecodeConfig:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> "DecodeConfig":
+        if self.__dict__.get("_valid"):          # frozen: checked once
+            return self
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; expected one of {', '.join(METHODS)}")
         for name, value in self.given.items():
@@ -114,6 +133,7 @@ class DecodeConfig:
             raise InputError(f"gen length {self.gen_length} is not a multiple of the block length {self.block_length} "
                              f"(--align sequence takes any)")
         self.spec.policy_class(self).check(self)
+        object.__setattr__(self, "_valid", True)
         return self
 
     # ------------------------------------------------------------------ what the method runs
@@ -131,10 +151,13 @@ class DecodeConfig:
         return self.align == "sequence" or (self.align == "auto" and mc.attention == "block_causal")
 
     def policy(self) -> Policy:
-        return self.spec.policy_class(self).from_config(self)
+        """The stage-1 policy, built once."""
+        return self._once("_policy", lambda: self.spec.policy_class(self).from_config(self))
 
     def draft_graph(self) -> DraftGraph:
-        return self.spec.graph(self) if self.spec.graph is not None else DraftGraph.root_only()
+        """The stage-2 draft graph, built once (validate, the decoder and describe share it)."""
+        return self._once("_graph", lambda: self.spec.graph(self) if self.spec.graph is not None
+                          else DraftGraph.root_only())
 
     def selection(self, policy: Policy, graph: DraftGraph, mask_id: int):
         return self.spec.selection.build(self, policy, graph, mask_id)
