@@ -132,6 +132,10 @@ class DecodeConfig:
         if self.gen_length % self.block_length and self.align != "sequence":
             raise InputError(f"gen length {self.gen_length} is not a multiple of the block length {self.block_length} "
                              f"(--align sequence takes any)")
+        needs = self.spec.policy_class(self).score
+        if needs is not None and self.given.get("score", needs) != needs:
+            raise InputError(f"{self.policy_name if self.method == 'psd' else self.method} reads the {needs} score: "
+                             f"give --score {needs} or none, not {self.score}")
         self.spec.policy_class(self).check(self)
         object.__setattr__(self, "_valid", True)
         return self
@@ -140,6 +144,12 @@ class DecodeConfig:
     @property
     def spec(self) -> Method:
         return METHODS[self.method]
+
+    @property
+    def confidence_score(self) -> str:
+        """The score every output's confidence is (`psd_kernels.top1`'s `score`): the one the policy's
+        rule reads where it names one (eb: entropy), else `--score`."""
+        return self.spec.policy_class(self).score or self.score
 
     @property
     def num_blocks(self) -> int:

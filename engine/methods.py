@@ -15,7 +15,8 @@ from .acceptance import BestScore, DraftConfidence, Hierarchical, Selection
 from .graph import DraftGraph
 from .options import OPTIONS, POLICY_NAMES
 from .options import register as register_option
-from .policies import Confidence, CrossBlock, Greedy, LeftToRight, LocalLeap, Policy, Random, Threshold, TopK
+from .policies import (Confidence, CrossBlock, EntropyBound, Greedy, LeftToRight, LocalLeap, Policy, Random, Threshold,
+                       TopK)
 
 
 def _never(cfg) -> bool:
@@ -124,6 +125,8 @@ for _m in (
            is_policy=True),
     Method("threshold", "LLaDA2.x: c > τ per step, at least its k_t; optional token editing", Threshold,
            is_policy=True),
+    Method("eb", "EB-Sampler: the lowest-entropy positions while their entropy sum minus its largest is <= γ",
+           EntropyBound, is_policy=True),
     Method("spiffy", "lossless drafts of greedy over a draft graph", Greedy, ("depth", "graph") + SPECULATION,
            graph=_option_graph, exact=lambda cfg: True, describe=_speculative),
     Method("psd", "parallel speculative decoding over any policy", None,

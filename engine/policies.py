@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 import psd_kernels
 
 from .errors import InputError
-from .options import Option
+from .options import Option, _short
 
 NEG_INF = float("-inf")
 SCHEDULES = ("llada", "dream")
@@ -143,6 +144,8 @@ class Policy:
     name: ClassVar[str] = "base"
     params: ClassVar[dict[str, str]] = {}
     declares: ClassVar[tuple] = ()
+    score: ClassVar[str | None] = None   # the confidence score the rule reads (engine/sampling.py decodes
+                                         # with it); None: whichever --score gives
 
     @classmethod
     def from_config(cls, cfg) -> "Policy":
@@ -364,6 +367,52 @@ class Threshold(Policy):
     def describe(self):
         edit = "" if self.edit_tau is None else f",edit={self.edit_tau},post={self.max_post_steps}"
         return f"threshold(tau={self.tau},steps/block={self.steps_per_block}{edit})"
+
+
+def _bound(label, v):
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:          # an integer beyond any float is no finite bound
+        finite = False
+    return None if finite and v >= 0 else f"{label} must be finite and >= 0, got {_short(v)}"
+
+
+@dataclass(frozen=True)
+class EntropyBound(Policy):
+    """EB-Sampler (Ben-Hamu et al. 2025, entropy bounded unmasking): order the masked positions by
+    entropy, lowest first (ties to the lower index), and commit the longest prefix U of that order
+    with sum_{i in U} H_i - max_{i in U} H_i <= γ. The first position always qualifies (its sum
+    minus its max is 0), so a step commits at least one; γ = 0 is one token per step unless
+    entropies are exactly 0; a larger γ never commits fewer.
+
+    The rule reads entropies, so the policy decodes with the `entropy` score (`score`): its `conf`
+    is sum p log p = -H (nats), whose descending order is the ascending order of H, which is also
+    the order stage 2 drafts in (the default `draft_key`)."""
+
+    gamma: float = 0.1
+    name = "eb"
+    score = "entropy"
+    params = {"entropy_bound": "gamma"}
+    declares = (Option("entropy_bound", float, "eb: commit the lowest-entropy masked positions while their "
+                       "entropies' sum minus its largest stays <= this (nats; 0: one token per step)",
+                       label="entropy bound", check=_bound, aliases=("gamma",)),)
+
+    def select(self, conf, masked, step):
+        # H = -conf >= 0 in exact arithmetic; the clamp keeps a rounding (or a caller's conf > 0) from
+        # counting as negative entropy, and keeps the order (a monotone map)
+        h = torch.where(masked, (-conf.float()).clamp_min(0), float("inf"))
+        hs = h.sort(-1).values                                      # ascending; unmasked (+inf) last
+        # a prefix of an ascending order has its max last, so its sum minus its max is the sum of the
+        # entries before the last: an exclusive cumsum, not a subtraction (in float, (H_0 + H_1) - H_1
+        # is 0 when H_0 is tiny beside H_1, and γ = 0 would commit two tokens)
+        before = F.pad(torch.where(hs.isinf(), 0.0, hs)[:, :-1].cumsum(-1), (1, 0))
+        real = torch.arange(hs.shape[-1], device=hs.device) < masked.sum(-1, keepdim=True)
+        take = ((before <= self.gamma) & real).sum(-1)             # a prefix: `before` never decreases
+        ranks, _ = psd_kernels.position_ranks(conf.float(), masked)
+        return masked & (ranks < take[:, None])
+
+    def describe(self):
+        return f"eb(gamma={self.gamma})"
 
 
 @dataclass(frozen=True)

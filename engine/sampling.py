@@ -31,7 +31,7 @@ class Sampler:
         """`dc`: the (validated) DecodeConfig; `mc`: the model's ModelConfig."""
         self.mask_id = mc.mask_token_id
         self.stop_ids = torch.tensor(mc.stop_token_ids, device=device)
-        self.score, self.conf_dtype, self.top_logprobs = dc.score, dc.conf_dtype, dc.top_logprobs
+        self.score, self.conf_dtype, self.top_logprobs = dc.confidence_score, dc.conf_dtype, dc.top_logprobs
         self.temperature, self.top_k, self.top_p = dc.temperature, dc.top_k, dc.top_p
         self.ignore_eos = bool(dc.ignore_eos)
         self.min_tokens = 0 if self.ignore_eos else min(dc.min_tokens, mc.max_length)

@@ -106,7 +106,7 @@ def test_toy_policy_through_bench_eval(toy, ckpt, tmp_path, capsys):
 
 def test_the_table_is_gone_with_the_entry():
     assert "topfrac" not in METHODS and "frac" not in OPTIONS
-    assert policy_methods() == ("greedy", "topk", "confidence", "localleap", "left", "random", "threshold")
+    assert policy_methods() == ("greedy", "topk", "confidence", "localleap", "left", "random", "threshold", "eb")
 
 
 def test_options_that_do_not_apply_are_errors():

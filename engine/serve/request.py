@@ -132,9 +132,9 @@ def _specs(f: Fields, opts: dict, merged: dict, prompts: list, ignored: tuple, c
         check_prompts(lim.mc, config, [ids])
         if config.min_tokens > cut:
             raise bad(f"min_tokens {config.min_tokens} exceeds max_tokens {cut}", "min_tokens")
-        if f.logprobs is not None and config.score != "prob":
+        if f.logprobs is not None and config.confidence_score != "prob":
             raise bad(f"logprobs need the confidence score prob (this request decodes with score "
-                      f"{config.score}: its per-token figures are not probabilities)", "logprobs")
+                      f"{config.confidence_score}: its per-token figures are not probabilities)", "logprobs")
         # alternatives are recorded only for a request that reports them (a reporting option)
         config = config.replace(top_logprobs=f.logprobs or None)
         shown = "" if not f.echo else text if text is not None else lim.tok.decode(ids)
