@@ -226,7 +226,9 @@ class Decoder:
         --static-rows every pair of every row of the block (an invalid node or a finished row
         repeats a root canvas; its output is never read), so R is the same for every call."""
         A, K, E = drafts.shape
-        if not self.dc.static_rows:
+        if K == 1 and not run.win.ahead and not self.dc.static_rows:    # the root alone: every row, no read
+            pair = torch.arange(A, device=drafts.device)
+        elif not self.dc.static_rows:
             pair = valid.reshape(-1).nonzero()[:, 0]
         else:
             drafts = torch.where(valid[..., None], drafts, drafts[:, :1])

@@ -16,6 +16,8 @@ and is not counted.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -48,6 +50,41 @@ def profile(family="llada", layers=2, batch=2, nodes=8, cache="dual", backend=No
     finally:
         prof.close()
     return prof, results
+
+
+def exact_gaps(prof, blocks: int, drafts: bool, cache: str, backend: str = "reference") -> Counter:
+    """The host reads between two model calls, exactly. A decode step reads which rows go on (1),
+    which drafts are valid (1; none with a root-only graph or --static-rows), and, on the reference
+    backend, the row plan of a call over a cache (1). A block boundary reads which rows go on (the
+    step that ends the block), whether a row failed (closing it) and which rows open the next (3)."""
+    step = 1 + int(drafts) + int(cache != "none" and backend == "reference")
+    n = len(prof.between)
+    return Counter({step: n - (blocks - 1)}) + Counter({3: blocks - 1})
+
+
+# (profile options, graph with drafts?): every configuration's reads, exactly
+EXACT = [
+    (dict(cache="none"), True), (dict(cache="prefix"), True), (dict(cache="dual"), True),
+    (dict(cache="dual", batch=4), True), (dict(cache="none", layers=3, nodes=2), True),
+    (dict(cache="dual", gen_length=32, block_length=16), True), (dict(family="pangu"), True),
+    (dict(family="dream", cache="prefix"), True), (dict(cache="dual", static_rows=True), False),
+    (dict(method="confidence", graph=None, policy_name=None, acceptance=None), False),
+    (dict(method="confidence", graph=None, policy_name=None, acceptance=None, cache="none"), False),
+    (dict(method="greedy", graph=None, policy_name=None, acceptance=None, threshold=None, cache="prefix"), False),
+    (dict(method="confidence", graph=None, policy_name=None, acceptance=None, static_rows=True), False),
+]
+
+
+@pytest.mark.parametrize("kw, drafts", EXACT, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items())
+                         if isinstance(v, dict) else str(v))
+def test_exact_host_reads_per_step(kw, drafts):
+    """Not a bound: one more read per step (an .item() anywhere in the loop, the sampler or the
+    model) fails here, for every configuration."""
+    prof = profile(**kw)[0]
+    assert prof.inside and max(prof.inside) == 0, prof.inside
+    blocks = kw.get("gen_length", 16) // kw.get("block_length", 8)
+    want = exact_gaps(prof, blocks, drafts, kw.get("cache", "dual"))
+    assert Counter(prof.between) == want, (prof.between, want)
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
