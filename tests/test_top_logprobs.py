@@ -25,11 +25,13 @@ def model(request):
                        seed=5, std=0.5).double()
 
 
-def _check_alternatives(res, k=K):
+def _check_alternatives(res, k=K, prob_scores=True):
+    """`prob_scores`: commit_prob is the committed token's probability (a method that decodes with
+    another score, eb's entropy, records that score there: only the token is compared then)."""
     for r in res:
         assert len(r.commit_top) == len(r.token_ids)
         for t, p, top in zip(r.token_ids, r.commit_prob, r.commit_top):
-            assert len(top) == k and top[0] == (t, p), (t, p, top)
+            assert len(top) == k and (top[0] == (t, p) if prob_scores else top[0][0] == t), (t, p, top)
             probs = [q for _, q in top]
             assert probs == sorted(probs, reverse=True) and sum(probs) <= 1 + 1e-9
             assert len({i for i, _ in top}) == k and 63 not in {i for i, _ in top}     # never the mask token
@@ -50,7 +52,7 @@ def test_first_alternative_is_the_committed_token_for_every_method(model, method
     res = generate(model, PROMPTS, method=method, top_logprobs=K, **opts)
     assert [(r.token_ids, r.calls, r.commit_prob) for r in res] == [(r.token_ids, r.calls, r.commit_prob) for r in plain]
     assert all(r.commit_top is None for r in plain)
-    _check_alternatives(res)
+    _check_alternatives(res, prob_scores=DecodeConfig(method=method, **opts).validate().confidence_score == "prob")
 
 
 @pytest.mark.parametrize("case", [dict(method="psd", depth=3, cache="dual", static_rows=True),
