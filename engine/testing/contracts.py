@@ -24,7 +24,7 @@ from engine import DecodeConfig, DraftGraph, generate
 from engine.loop import Decoder
 from engine.methods import METHODS
 from engine.policies import policy_select
-from hostsync import STEP_BOUND, Profile, SyncCounter, check
+from .hostsync import STEP_BOUND, Profile, SyncCounter, check
 from models import ModelConfig, init_random
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23]]
