@@ -60,6 +60,23 @@ def pytest_configure(config):
     global SANDBOX_NOTE
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     SANDBOX_NOTE = _sandbox_opt_in()
+    _load_plugins()
+
+
+def _load_plugins() -> None:
+    """$PSD_PLUGINS (and installed `psd_engine.plugins` entry points) register their policies and
+    methods before collection, so tests/test_contracts.py, parametrized over the method table, runs
+    every contract for them too (engine/testing). A plugin that cannot load stops the run in one line."""
+    if not os.environ.get("PSD_PLUGINS"):
+        return
+    sys.path.insert(0, REPO)
+    from engine.errors import InputError
+    from engine.frontend import load_plugins
+
+    try:
+        load_plugins([])
+    except InputError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 def pytest_report_header(config):

@@ -1,11 +1,11 @@
-"""Every policy of the method table keeps every contract of tests/contracts.py, with its own
+"""Every policy of the method table keeps every contract of engine/testing/contracts.py, with its own
 defaults: a policy registered with `engine.register` is checked here without editing this file
 (and a policy of a test module's own by subclassing `PolicyContract` there, as test_methods.py does)."""
 from __future__ import annotations
 
 import pytest
 
-from contracts import PolicyContract, causal_model, contract_model  # noqa: F401  (fixtures)
+from engine.testing.contracts import PolicyContract, causal_model, contract_model  # noqa: F401  (fixtures)
 from engine.methods import policy_methods
 
 

@@ -26,7 +26,7 @@ def model(request):
 
 
 def test_exact_cross_block_saves_calls():
-    """(Exactness over every policy: tests/contracts.py.) Completing a block by a draft saves calls."""
+    """(Exactness over every policy: engine/testing/contracts.py.) Completing a block by a draft saves calls."""
     psd = dict(method="psd", policy_name="confidence", threshold=0.3, acceptance="exact", depth=3,
                gen_length=G, block_length=L)
     without = engine.generate(model_for_savings(), PROMPTS, **psd)

@@ -81,7 +81,7 @@ def test_root_only_graph_is_the_plain_policy(checkpoint):
 
 
 # ---------------------------------------------------------------------- cache modes
-# every policy, plain and under PSD: tests/contracts.py; here the other methods' drafts, verified
+# every policy, plain and under PSD: engine/testing/contracts.py; here the other methods' drafts, verified
 # through shared_prefix_attention with own_mask
 @pytest.mark.parametrize("method,opts", [("psd", {"policy_name": "confidence", "threshold": 0.2, "depth": 3}),
                                          ("spiffy", {"depth": 3}), ("lopa", {"k": 3}), ("fdm", {"k": 2})])

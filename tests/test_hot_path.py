@@ -26,7 +26,7 @@ from engine import DecodeConfig, DraftGraph
 from engine.loop import Decoder
 from models import ModelConfig, init_random
 import models.transformer as transformer
-from hostsync import STEP_BOUND, Launches, Profile, SyncCounter, _pause_triton_kernels, check
+from engine.testing.hostsync import STEP_BOUND, Launches, Profile, SyncCounter, _pause_triton_kernels, check
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
 GRAPHS = {2: DraftGraph.chain(1), 8: DraftGraph([[], [0], [1], [0, 1], [0, 2], [0, 1, 2], [2], [0, 1, 2, 3]])}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.eval import main as eval_main
-from contracts import PolicyContract, causal_model, contract_model  # noqa: F401  (fixtures)
+from engine.testing.contracts import PolicyContract, causal_model, contract_model  # noqa: F401  (fixtures)
 from bench.eval import parse_method
 from engine import DecodeConfig, InputError, Method, Option, Policy, generate, register
 from engine.cli import build_parser
@@ -52,7 +52,7 @@ def toy():
 
 
 class TestTopFractionKeepsEveryContract(PolicyContract):
-    """The toy policy gets every policy contract (tests/contracts.py) from this one class."""
+    """The toy policy gets every policy contract (engine/testing/contracts.py) from this one class."""
 
     @pytest.fixture(params=[0.25, 0.5])
     def policy_case(self, request, toy):

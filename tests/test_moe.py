@@ -210,7 +210,7 @@ def test_ids_outside_the_experts(device):
 @needs_triton
 def test_launches_read_nothing_back(device, monkeypatch):
     """Three launches per call and no host read in the launcher (the grouping is device ops)."""
-    from hostsync import Launches, SyncCounter
+    from engine.testing.hostsync import Launches, SyncCounter
 
     ops = importlib.import_module("psd_kernels.ops.moe")
     counter = SyncCounter()

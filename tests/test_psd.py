@@ -66,7 +66,7 @@ def test_psd_policy_mode_runs_and_reports(model):
 
 
 # ---------------------------------------------------------------------- acceptance properties
-# every policy of the method table, as its defaults build it (lossless PSD over each: tests/contracts.py)
+# every policy of the method table, as its defaults build it (lossless PSD over each: engine/testing/contracts.py)
 POLICIES = [DecodeConfig(method=m, gen_length=6, block_length=6).validate().policy() for m in policy_methods()]
 MASK = 99
 
