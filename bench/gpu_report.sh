@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU must show, in one command (docs/gpu.md):
 #
-#   bash bench/gpu_report.sh OUT_DIR          # on a CUDA machine: budgets add up to 580 s
+#   bash bench/gpu_report.sh OUT_DIR          # on a CUDA machine: budgets add up to 585 s
 #   bash bench/gpu_report.sh --dry OUT_DIR    # the same sections on CPU, tiny shapes, reference and
 #                                             # interpreter paths (what CI runs)
 #
@@ -10,7 +10,8 @@
 # variants at LLaDA-8B and Dream-7B head shapes; draft assembly; the MoE routed experts at
 # LLaDA2.0-mini's expert shapes against the grouped torch path and a dense loop, with their
 # fraction of the card's roofline), `bench.speed --cost-curve` at
-# the llada-8b and dream-7b shapes in bf16, `bench.speed` end to end on the shipped model, and
+# the llada-8b and dream-7b shapes in bf16, `bench.profile_call` (where one verification call's time
+# goes), `bench.speed` end to end on the shipped model, and
 # (GPU only) eager against --cuda-graphs replay of the verification calls on one GPU.
 # Each section runs under its own time budget (`timeout`); a failed or timed-out section is
 # recorded in OUT_DIR/summary.md and the others still run; the exit status is non-zero if any
@@ -141,11 +142,11 @@ METHODS=(greedy confidence psd:policy=confidence,d=1 psd:policy=confidence,d=3 s
 if [[ $SKIP_ALL -eq 1 ]]; then
     :
 elif [[ $DRY -eq 0 ]]; then
-    # ------------------------------------------------------------ GPU: budgets sum to 580 s (438 s used on an H200 at BUDGET_SCALE=0.9)
+    # ------------------------------------------------------------ GPU: budgets sum to 585 s (the H200 run of 2026-11-26 took 438 s, before profile_call)
     # (MoE: the Triton-vs-reference cases and the model-sized ones; its other tests check inputs)
     # about 490 tests, most compiling their own kernel specialisation: compile in parallel where xdist is there
     XDIST=$("$PY" -c 'import xdist' > /dev/null 2>&1 && echo "-n 8" || true)
-    section kernel_tests 150 "$PY" -m pytest $XDIST tests/test_top1.py tests/test_draft.py tests/test_sparse_attn.py \
+    section kernel_tests 135 "$PY" -m pytest $XDIST tests/test_top1.py tests/test_draft.py tests/test_sparse_attn.py \
         tests/test_moe.py::test_matches_reference tests/test_moe.py::test_model_sized_bf16 \
         -q -o addopts= -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml"
     section bench_top1 15 bench_kernel top1 bench.bench_top1 --rows 32 256 1024 --vocab 126464 152064 \
@@ -161,7 +162,9 @@ elif [[ $DRY -eq 0 ]]; then
         section "cost_curve_${shape//-/_}" 45 "$PY" -m bench.speed --cost-curve --shape "$shape" --dtype bfloat16 \
             --prefix 512 1024 4096 --rows 1 2 4 8 16 32 --block-length 32 --out "$OUT/cost_${shape//-/_}" --quiet
     done
-    section end_to_end 100 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
+    # where one verification call's time goes: host issue, kernels, launches, CUDA-graph replay (docs/gpu.md)
+    section profile_call 35 "$PY" -m bench.profile_call --shape llada-8b --prefix 512 --rows 1 16 --reps 20
+    section end_to_end 80 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
         psd:policy=confidence,d=3,draft_budget=auto --batch-sizes 1 8 --num-prompts 4 8 --cache none dual \
         --gen-length 64 --repeats 2 --dtype bfloat16 \
         --out "$OUT/end_to_end" --quiet
@@ -196,6 +199,7 @@ else
         section "cost_curve_${shape//-/_}" 60 "$PY" -m bench.speed --cost-curve --shape "$tiny" --dtype float32 \
             --prefix 32 64 --rows 1 2 4 --block-length 8 --cost-reps 2 --out "$OUT/cost_${shape//-/_}" --quiet
     done
+    section profile_call 60 "$PY" -m bench.profile_call --shape tiny --prefix 32 --block-length 8 --rows 1 4 --reps 2
     section end_to_end 180 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
         --batch-sizes 1 4 --num-prompts 2 4 --cache none dual --gen-length 32 --repeats 1 --dtype bfloat16 \
         --out "$OUT/end_to_end" --quiet
@@ -300,6 +304,11 @@ for shape in ("llada_8b", "dream_7b"):
     md = out / f"cost_{shape}" / "cost_curve.md"
     if md.is_file():
         L += [f"## Cost of one model call, {shape.replace('_', '-')} shape (random weights)", "", md.read_text(), ""]
+log = out / "logs" / "profile_call.log"
+if log.is_file() and "| rows | event ms" in log.read_text(errors="replace"):
+    text = log.read_text(errors="replace")
+    L += ["## One verification call: host issue, kernels, replay (bench.profile_call)", "",
+          text[text.index("one model call"):text.rindex("\n{")].strip(), ""]
 md = out / "end_to_end" / "speed.md"
 if md.is_file():
     L += ["## End to end on the shipped model", "", md.read_text(), ""]

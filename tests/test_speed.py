@@ -210,10 +210,11 @@ def test_gpu_report_dry_run(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:] + report[-3000:]
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# GPU report (dry") and "All sections passed." in summary
+    assert "## One verification call" in summary and "| rows | event ms | host ms |" in summary
     sections = list(csv.DictReader(open(out / "sections.tsv"), delimiter="\t"))
     assert [s["section"] for s in sections] == ["environment", "kernel_tests", "bench_top1", "bench_draft",
                                                 "sparse_attn_llada_8b", "sparse_attn_dream_7b", "bench_moe", "cost_curve_llada_8b",
-                                                "cost_curve_dream_7b", "end_to_end"]
+                                                "cost_curve_dream_7b", "profile_call", "end_to_end"]
     assert all(s["status"] == "ok" and (out / s["log"]).is_file() for s in sections)
     env_info = json.loads((out / "environment.json").read_text())
     assert env_info["missing"] == [] and env_info["modules"]["torch"] == torch.__version__
