@@ -31,14 +31,13 @@ from collections import defaultdict
 import torch
 
 from engine import CACHE_MODES, InputError
-from engine.cache import Window
 from engine.frontend import DTYPE_CHOICES, Parser, add_threads_flag, guarded
-from models import DTYPES, position_ids
+from models import DTYPES
 
 from ._common import THREADS_HELP, bench_threads, device_name, versions
 from .simulate import CARDS, Call, call_ms, card_key
 from .speed import time_call
-from .workload import SHAPES, build_random, random_prompts, shape_config
+from .workload import SHAPES, build_random, cached_block, shape_config, verification_call
 
 
 def _sync(device: torch.device) -> None:
@@ -142,28 +141,11 @@ def _run(args) -> int:
     model = build_random(mc, device, dtype)
     mode = CACHE_MODES[args.cache](model)
     S, L = args.prefix, args.block_length
-    x = torch.tensor(random_prompts(mc, 1, S, 0), device=device)
-    x = torch.cat((x, torch.full((1, L), mc.mask_token_id, device=device)), 1)
-    valid = torch.ones_like(x, dtype=torch.bool)
-    pos = position_ids(mc, valid)
-    win = Window(S, L, S, L)
-    with torch.no_grad():
-        _, kv = mode.start(x, valid, pos, win)
+    block = cached_block(mode, mc, 1, S, L, 0, device)
     rows, tops = [], {}
     for R in args.rows:
-        seq_rows = torch.zeros(R, dtype=torch.long, device=device)
-        xr = x[seq_rows].clone()
-        gen = torch.Generator().manual_seed(R)
-        drafted = torch.rand(R, L, generator=gen) < 0.5
-        fill = torch.randint(0, mc.vocab_size, (R, L), generator=gen)
-        fill = torch.where(fill == mc.mask_token_id, (fill + 1) % mc.vocab_size, fill)
-        xr[:, S:] = torch.where(drafted, fill, torch.full_like(fill, mc.mask_token_id)).to(device)
-        vr, pr = valid[seq_rows], pos[seq_rows]
-
-        def call():
-            with torch.no_grad():
-                return mode.call(xr, vr, pr, win, kv, seq_rows)
-
+        call = verification_call(mode, mc, block, torch.zeros(R, dtype=torch.long, device=device),
+                                 torch.Generator().manual_seed(R))
         event, _ = time_call(call, device, args.reps)
         host = host_ms(call, device, args.reps)
         kern, launches, top = kernel_profile(call, device, min(args.reps, 5))

@@ -48,21 +48,20 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate, graphs
-from engine.cache import Window
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, add_threads_flag, guarded,
                              plugins_loaded, progress, resolve_device)
 from engine.config import check_prompts
 from engine.errors import check_regular
 from engine.methods import METHODS
 from engine.options import OPTIONS, RUNTIME
-from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model, position_ids
+from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, Transformer, load_model
 from models.checkpoint import available_memory
 
 from . import simulate
 from ._common import THREADS_HELP, bench_threads, device_name, versions, write_rows
 from .eval import method_config, parse_method, spec_label
-from .workload import (SHAPES, build_random, checkpoint_prompts, fit_length, param_count, random_prompts,
-                       shape_config)
+from .workload import (SHAPES, build_random, cached_block, checkpoint_prompts, fit_length, param_count,
+                       random_prompts, shape_config, verification_call)
 
 PROFILE_FORMAT = "psd-cost-profile/1"
 DEFAULT_METHODS = ["greedy", "confidence", "psd:policy=confidence,d=3"]
@@ -279,35 +278,19 @@ def cost_curve(model, device, cache: str, prefixes, rows_list, batch_sizes, bloc
     curves = []
     for S in prefixes:
         for B in batch_sizes:
-            x = torch.tensor(random_prompts(mc, B, S, seed), device=device)
-            x = torch.cat((x, torch.full((B, L), mc.mask_token_id, device=device)), 1)
-            valid = torch.ones_like(x, dtype=torch.bool)
-            pos = position_ids(mc, valid)
-            win = Window(S, L, S, L)
-            with torch.no_grad():
-                _, kv = mode.start(x, valid, pos, win)          # the block's first call builds the cache
+            block = cached_block(mode, mc, B, S, L, seed, device)       # the block's first call builds the cache
             gen = torch.Generator().manual_seed(seed + 1)
             ms, ms_min = [], []
             for R in rows_list:
                 seq_rows = torch.arange(B, device=device).repeat_interleave(R)
-                xr = x[seq_rows].clone()
-                drafted = torch.rand(B * R, L, generator=gen) < 0.5          # drafts: half the block filled in
-                fill = torch.randint(0, mc.vocab_size, (B * R, L), generator=gen)
-                fill = torch.where(fill == mc.mask_token_id, (fill + 1) % mc.vocab_size, fill)
-                xr[:, S:] = torch.where(drafted, fill, torch.full_like(fill, mc.mask_token_id)).to(device)
-                vr, pr = valid[seq_rows], pos[seq_rows]
-
-                def call():
-                    with torch.no_grad():
-                        return mode.call(xr, vr, pr, win, kv, seq_rows)
-
+                call = verification_call(mode, mc, block, seq_rows, gen)    # drafts: half the block filled in
                 med, low = time_call(call, device, reps, warmup)
                 ms.append(med)
                 ms_min.append(low)
                 if pbar is not None:
                     pbar.update(1)
             curves.append({"prefix": S, "batch": B, "rows": list(rows_list), "ms": ms, "ms_min": ms_min})
-            del kv
+            block = call = None                # the cache goes before the next prefix is built
     return curves
 
 

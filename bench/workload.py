@@ -81,6 +81,42 @@ def build_random(config: ModelConfig, device, dtype: torch.dtype, seed: int = 0,
     return model.eval().requires_grad_(False)
 
 
+def cached_block(mode, mc: ModelConfig, batch: int, prefix: int, block_length: int, seed: int, device):
+    """`batch` random prompts of `prefix` tokens, then one block of masks each, with the block's first
+    call made by the cache mode `mode` (it builds the cache): (x, valid, pos, window, cache)."""
+    from engine.cache import Window
+    from models import position_ids
+
+    x = torch.tensor(random_prompts(mc, batch, prefix, seed), device=device)
+    x = torch.cat((x, torch.full((batch, block_length), mc.mask_token_id, device=device)), 1)
+    valid = torch.ones_like(x, dtype=torch.bool)
+    pos = position_ids(mc, valid)
+    win = Window(prefix, block_length, prefix, block_length)
+    with torch.no_grad():
+        _, kv = mode.start(x, valid, pos, win)
+    return x, valid, pos, win, kv
+
+
+def verification_call(mode, mc: ModelConfig, block, seq_rows: torch.Tensor, gen: torch.Generator):
+    """A function of no arguments running the call a PSD verification makes over `block`
+    (`cached_block`'s result): one canvas per entry of `seq_rows` (its sequence's cache row), half
+    of each block's positions drafted at random from `gen` (never the mask id)."""
+    x, valid, pos, win, kv = block
+    S, L = win.lo, win.block_length
+    xr = x[seq_rows].clone()
+    drafted = torch.rand(len(seq_rows), L, generator=gen) < 0.5
+    fill = torch.randint(0, mc.vocab_size, (len(seq_rows), L), generator=gen)
+    fill = torch.where(fill == mc.mask_token_id, (fill + 1) % mc.vocab_size, fill)
+    xr[:, S:] = torch.where(drafted, fill, torch.full_like(fill, mc.mask_token_id)).to(x.device)
+    vr, pr = valid[seq_rows], pos[seq_rows]
+
+    def call():
+        with torch.no_grad():
+            return mode.call(xr, vr, pr, win, kv, seq_rows)
+
+    return call
+
+
 def param_count(model: Transformer) -> int:
     return sum(p.numel() for p in model.parameters())
 
