@@ -180,3 +180,16 @@ def start_servers(*servers: ServerProcess):
     finally:
         for s in servers:
             s.stop()
+
+
+# LLaDA2.0-mini's config.json fields (as SGLang and the authors' configuration class read them) and
+# the ids its generation config gives: tests/test_llada2.py maps them, bench's llada2-mini shape equals them
+LLADA2_MINI_CONFIG = dict(
+    model_type="llada2_moe", architectures=["LLaDA2MoeModelLM"], hidden_size=2048, intermediate_size=5120,
+    num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=157184,
+    max_position_embeddings=32768, rope_theta=600000, rms_norm_eps=1e-06, partial_rotary_factor=0.5, use_qk_norm=True,
+    use_qkv_bias=False, use_bias=False, norm_head=False, tie_word_embeddings=False, hidden_act="silu", num_experts=256,
+    num_experts_per_tok=8, num_shared_experts=1, moe_intermediate_size=512, first_k_dense_replace=1, n_group=8,
+    topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, score_function="sigmoid",
+    moe_router_enable_expert_bias=True, pad_token_id=156892, rope_scaling=None)
+LLADA2_MINI_IDS = {"mask_token_id": 156895, "eos_token_id": 156892}

@@ -14,7 +14,7 @@ from models import (CheckpointError, KVCache, ModelConfig, ParallelError, attent
 from models.config import LLADA2_BLOCK
 from models.parallel import check_divisible
 from models.random_checkpoint import main as random_checkpoint_main, make_checkpoint
-from support import random_canvas
+from support import LLADA2_MINI_CONFIG, LLADA2_MINI_IDS, random_canvas
 
 VARIANTS = {
     # the tiny default: a dense first layer, grouped routing, expert bias, a shared expert
@@ -301,15 +301,7 @@ def test_ids_and_block_from_generation_config(tmp_path):
 def test_real_llada2_mini_fields():
     """The fields of LLaDA2.0-mini's config.json (as SGLang and the authors' configuration class
     read them) map to the right config; the real-size model (16B) builds on the meta device."""
-    raw = dict(model_type="llada2_moe", architectures=["LLaDA2MoeModelLM"], hidden_size=2048, intermediate_size=5120,
-               num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-               vocab_size=157184, max_position_embeddings=32768, rope_theta=600000, rms_norm_eps=1e-06,
-               partial_rotary_factor=0.5, use_qk_norm=True, use_qkv_bias=False, use_bias=False, norm_head=False,
-               tie_word_embeddings=False, hidden_act="silu", num_experts=256, num_experts_per_tok=8,
-               num_shared_experts=1, moe_intermediate_size=512, first_k_dense_replace=1, n_group=8, topk_group=4,
-               routed_scaling_factor=2.5, norm_topk_prob=True, score_function="sigmoid",
-               moe_router_enable_expert_bias=True, pad_token_id=156892, rope_scaling=None)
-    c = ModelConfig.from_hf(raw, {"mask_token_id": 156895, "eos_token_id": 156892})
+    c = ModelConfig.from_hf(dict(LLADA2_MINI_CONFIG), dict(LLADA2_MINI_IDS))
     want = dict(family="llada2", attention="block_causal", attention_block=32, logit_shift=0, qk_norm=True,
                 rotary_dim=64, head_dim=128, num_kv_heads=4, num_experts=256, num_experts_per_tok=8,
                 moe_intermediate_size=512, shared_intermediate_size=512, first_dense_layers=1, n_group=8,

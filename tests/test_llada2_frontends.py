@@ -14,7 +14,7 @@ from engine.cli import main as generate_main
 from models import Tokenizer, load_model
 from models.random_checkpoint import make_checkpoint
 
-from support import ServerProcess, start_servers
+from support import LLADA2_MINI_CONFIG, LLADA2_MINI_IDS, ServerProcess, start_servers
 
 PROMPT = "t5 t9 t3 t17 t2"
 
@@ -85,18 +85,9 @@ def test_speed_cost_curve_and_end_to_end_on_the_tiny_llada2_shape(tmp_path, caps
 def test_llada2_mini_shape_is_the_real_config():
     """bench's llada2-mini shape equals what models.config reads from LLaDA2.0-mini's config.json
     (tests/test_llada2.py::test_real_llada2_mini_fields holds that mapping to the real file)."""
-    from test_llada2 import test_real_llada2_mini_fields  # noqa: F401  (the mapping is tested there)
     from models import ModelConfig
 
-    raw = dict(model_type="llada2_moe", architectures=["LLaDA2MoeModelLM"], hidden_size=2048, intermediate_size=5120,
-               num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-               vocab_size=157184, max_position_embeddings=32768, rope_theta=600000, rms_norm_eps=1e-06,
-               partial_rotary_factor=0.5, use_qk_norm=True, use_qkv_bias=False, use_bias=False, norm_head=False,
-               tie_word_embeddings=False, hidden_act="silu", num_experts=256, num_experts_per_tok=8,
-               num_shared_experts=1, moe_intermediate_size=512, first_k_dense_replace=1, n_group=8, topk_group=4,
-               routed_scaling_factor=2.5, norm_topk_prob=True, score_function="sigmoid",
-               moe_router_enable_expert_bias=True, pad_token_id=156892, rope_scaling=None)
-    real = ModelConfig.from_hf(raw, {"mask_token_id": 156895, "eos_token_id": 156892})
+    real = ModelConfig.from_hf(dict(LLADA2_MINI_CONFIG), dict(LLADA2_MINI_IDS))
     assert shape_config("llada2-mini") == real.replace(extra=shape_config("llada2-mini").extra)
     assert 16.2e9 < real.parameter_count() < 16.3e9
 
