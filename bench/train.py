@@ -31,7 +31,9 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -291,25 +293,22 @@ def build_parser():
     return p
 
 
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    state_dir = Path(args.state_dir) if args.state_dir else Path.home() / ".cache" / "psd-engine" / "train_runs" / out.resolve().name
-    state_dir.mkdir(parents=True, exist_ok=True)
-    state_path = state_dir / "train_state.pt"
-    tok_path = state_dir / "tokenizer.json"
-    dev = torch.device(args.device)
-    t_start = time.time()
-
-    from tokenizers import Tokenizer
-
+def check_args(args) -> None:
+    """Exit with a one-line error on batch shares or flags that do not fit together."""
     if not 0.0 <= args.math_frac <= 1.0:
         raise SystemExit(f"error: --math-frac must be in [0, 1], got {args.math_frac}")
     if not 0.0 <= args.drill_frac <= 1.0 - args.math_frac + 1e-9:
         raise SystemExit(f"error: --drill-frac must be in [0, 1 - --math-frac], got {args.drill_frac}")
     if args.restart_schedule and not args.resume:
         raise SystemExit("error: --restart-schedule needs --resume")
+
+
+def resume_or_start(args, state_path: Path, tok_path: Path):
+    """(saved state or None, tokenizer). On --resume the run's identity (sizes, seed, batch) comes
+    from the saved state and its tokenizer is reloaded; otherwise a tokenizer is trained and saved.
+    --lr and --warmup default to the saved run's schedule (or the fresh defaults)."""
+    from tokenizers import Tokenizer
+
     state = None
     if args.resume:
         if not state_path.is_file():
@@ -326,27 +325,74 @@ def main(argv=None) -> None:
     for k in ("lr", "warmup"):                # the saved run's schedule (or the fresh defaults) unless given
         if getattr(args, k) is None:
             setattr(args, k, saved[k])
-    eos = tok.token_to_id(EOS)
-    config = make_config(tok, args)
-    model = init_model(config, args.seed).to(dev)
+    return state, tok
+
+
+def make_optimizer(model: Transformer, args) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices except the token embeddings."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "tok_embeddings" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "tok_embeddings" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    step, total, elapsed_before, sched_start = 0, args.steps, 0.0, 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed_before = state["step"], state.get("train_seconds", 0.0)
-        total = args.steps or (None if args.restart_schedule else state["total_steps"])
-        sched_start = step if args.restart_schedule else state.get("sched_start", 0)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+@dataclass
+class Run:
+    """One invocation's training objects and where the run stands (what `save_state` keeps)."""
+    args: Any
+    tok: Any
+    model: Transformer
+    opt: torch.optim.Optimizer
+    eos: int
+    step: int = 0
+    total: int | None = None            # planned optimiser steps; None until estimated from the budget
+    tokens: int = 0
+    elapsed_before: float = 0.0         # training seconds of earlier invocations
+    sched_start: int = 0                # step where the current warm-up + cosine segment starts
+
+    def restore(self, state: dict | None) -> None:
+        """Continue from a saved state: weights, optimiser, step, schedule and RNG states."""
+        args = self.args
+        self.total = args.steps
+        if state is None:
+            return
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.elapsed_before = state["step"], state.get("train_seconds", 0.0)
+        self.total = args.steps or (None if args.restart_schedule else state["total_steps"])
+        self.sched_start = self.step if args.restart_schedule else state.get("sched_start", 0)
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["py_rng"])
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"params {n_params:,}  vocab {tok.get_vocab_size()} (embedding rows {config.vocab_size})  eos {eos} "
-          f"mask {config.mask_token_id}  step {step}  total {total}  state {state_path}", flush=True)
+        self.tokens = state.get("tokens", 0)
 
-    # a fixed validation batch (held-out-disjoint generator seed, fixed masks)
+    def optimiser_step(self) -> tuple[torch.Tensor, float, float]:
+        """One step on the step's batch: (loss, learning rate, gradient norm before clipping)."""
+        args = self.args
+        ids, valid, P = step_batch(self.tok, self.step, args, self.eos)
+        gen = torch.Generator().manual_seed(args.seed * 7_919 + self.step)
+        lr = lr_at(self.step - self.sched_start, (self.total or 10**9) - self.sched_start, args.lr, args.warmup)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        loss, _ = diffusion_loss(self.model, ids, valid, P, gen, args.eps, autocast=not args.no_bf16)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip).item()
+        self.opt.step()
+        self.step += 1
+        self.tokens += int(valid.sum())
+        return loss, lr, gn
+
+    def checkpoint(self, state_path: Path, out: Path, train_seconds: float) -> None:
+        """Save the resumable state and export the weights and tokenizer to `out`."""
+        args = self.args
+        save_state(state_path, self.model, self.opt, self.step, self.total, args,
+                   {"tokens": self.tokens, "train_seconds": train_seconds, "sched_start": self.sched_start})
+        export(self.model, self.tok, out, args.max_length, getattr(torch, args.export_dtype), args.answer_len)
+
+
+def validation(model: Transformer, tok, args, eos: int):
+    """A function returning the loss on a fixed validation batch (held-out-disjoint generator seed,
+    fixed masks), computed in eval mode."""
     vseed = 987_654_321
     vpairs = [pair("math", p) for p in problems("math", 64, vseed)] + [pair("code", p) for p in problems("code", 64, vseed)]
     vids, vvalid, vP = collate(encode_pairs(tok, vpairs, args.answer_len, eos), eos)
@@ -359,65 +405,89 @@ def main(argv=None) -> None:
         model.train()
         return loss.item()
 
-    log_path = state_dir / "log.csv"
-    new_log = not log_path.exists() or state is None
-    logf = open(log_path, "w" if new_log else "a", newline="")
-    log = csv.writer(logf)
-    if new_log:
-        log.writerow(["step", "loss", "val_loss", "lr", "grad_norm", "tokens", "train_seconds", "wall"])
-    tokens = state.get("tokens", 0) if state else 0
+    return val_loss
 
+
+class TrainLog:
+    """`log.csv` of a run: a fresh file with its header, or appended to when the run resumes."""
+    HEADER = ["step", "loss", "val_loss", "lr", "grad_norm", "tokens", "train_seconds", "wall"]
+
+    def __init__(self, path: Path, resumed: bool):
+        new_log = not path.exists() or not resumed
+        self.file = open(path, "w" if new_log else "a", newline="")
+        self.writer = csv.writer(self.file)
+        if new_log:
+            self.writer.writerow(self.HEADER)
+
+    def row(self, run: Run, loss: torch.Tensor, ema: float, vl, lr: float, gn: float, ts: float) -> None:
+        """Print a progress line and append it to the file (`vl` is "" between validations)."""
+        print(f"step {run.step:6d}  loss {loss.item():.4f}  ema {ema:.4f}  val {vl if vl == '' else f'{vl:.4f}'}  "
+              f"lr {lr:.2e}  gn {gn:.2f}  tok {run.tokens:,}  {ts / 60:.1f} min", flush=True)
+        self.writer.writerow([run.step, f"{loss.item():.5f}", vl if vl == "" else f"{vl:.5f}", f"{lr:.3e}", f"{gn:.3f}",
+                              run.tokens, f"{ts:.0f}", time.strftime("%H:%M:%S")])
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def train(run: Run, t_start: float, val_loss, log: TrainLog, state_path: Path, out: Path) -> float | None:
+    """Optimiser steps until the wall-clock budget or the planned total; returns the loss EMA.
+    Without --steps the total is planned from the time of the first 50 steps."""
+    args = run.args
     budget = args.minutes * 60
-    model.train()
-    t_loop, ema, last_ck = time.time(), None, step
+    run.model.train()
+    t_loop, ema, last_ck, first_step = time.time(), None, run.step, run.step
     probe_steps = 50
-    while True:
-        now = time.time()
-        if now - t_start >= budget:
-            break
-        if total is not None and step >= total:
-            break
-        ids, valid, P = step_batch(tok, step, args, eos)
-        gen = torch.Generator().manual_seed(args.seed * 7_919 + step)
-        lr = lr_at(step - sched_start, (total or 10**9) - sched_start, args.lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, _ = diffusion_loss(model, ids, valid, P, gen, args.eps, autocast=not args.no_bf16)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item()
-        opt.step()
-        step += 1
-        tokens += int(valid.sum())
+    while time.time() - t_start < budget and (run.total is None or run.step < run.total):
+        loss, lr, gn = run.optimiser_step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        if total is None and step - (state["step"] if state else 0) == probe_steps:
+        if run.total is None and run.step - first_step == probe_steps:
             per_step = (time.time() - t_loop) / probe_steps
-            total = step + int((budget - (time.time() - t_start)) / per_step * 0.97)
-            print(f"{per_step:.2f} s/step -> schedule of {total} steps", flush=True)
-        if step % args.log_every == 0:
-            vl = val_loss() if step % (args.log_every * 10) == 0 else ""
-            ts = elapsed_before + time.time() - t_start
-            print(f"step {step:6d}  loss {loss.item():.4f}  ema {ema:.4f}  val {vl if vl == '' else f'{vl:.4f}'}  "
-                  f"lr {lr:.2e}  gn {gn:.2f}  tok {tokens:,}  {ts / 60:.1f} min", flush=True)
-            log.writerow([step, f"{loss.item():.5f}", vl if vl == "" else f"{vl:.5f}", f"{lr:.3e}", f"{gn:.3f}", tokens,
-                          f"{ts:.0f}", time.strftime("%H:%M:%S")])
-            logf.flush()
-        if step - last_ck >= args.ckpt_every:
-            save_state(state_path, model, opt, step, total, args,
-                       {"tokens": tokens, "train_seconds": elapsed_before + time.time() - t_start,
-                        "sched_start": sched_start})
-            export(model, tok, out, args.max_length, getattr(torch, args.export_dtype), args.answer_len)
-            last_ck = step
-    ts = elapsed_before + time.time() - t_start
-    save_state(state_path, model, opt, step, total, args, {"tokens": tokens, "train_seconds": ts,
-                                                           "sched_start": sched_start})
-    export(model, tok, out, args.max_length, getattr(torch, args.export_dtype), args.answer_len)
+            run.total = run.step + int((budget - (time.time() - t_start)) / per_step * 0.97)
+            print(f"{per_step:.2f} s/step -> schedule of {run.total} steps", flush=True)
+        if run.step % args.log_every == 0:
+            vl = val_loss() if run.step % (args.log_every * 10) == 0 else ""
+            log.row(run, loss, ema, vl, lr, gn, run.elapsed_before + time.time() - t_start)
+        if run.step - last_ck >= args.ckpt_every:
+            run.checkpoint(state_path, out, run.elapsed_before + time.time() - t_start)
+            last_ck = run.step
+    return ema
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    state_dir = Path(args.state_dir) if args.state_dir else Path.home() / ".cache" / "psd-engine" / "train_runs" / out.resolve().name
+    state_dir.mkdir(parents=True, exist_ok=True)
+    state_path = state_dir / "train_state.pt"
+    dev = torch.device(args.device)
+    t_start = time.time()
+
+    check_args(args)
+    state, tok = resume_or_start(args, state_path, state_dir / "tokenizer.json")
+    eos = tok.token_to_id(EOS)
+    config = make_config(tok, args)
+    model = init_model(config, args.seed).to(dev)
+    run = Run(args, tok, model, make_optimizer(model, args), eos)
+    run.restore(state)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params:,}  vocab {tok.get_vocab_size()} (embedding rows {config.vocab_size})  eos {eos} "
+          f"mask {config.mask_token_id}  step {run.step}  total {run.total}  state {state_path}", flush=True)
+
+    val_loss = validation(model, tok, args, eos)
+    log = TrainLog(state_dir / "log.csv", resumed=state is not None)
+    ema = train(run, t_start, val_loss, log, state_path, out)
+    ts = run.elapsed_before + time.time() - t_start
+    run.checkpoint(state_path, out, ts)
     vl = val_loss()
     (state_dir / "summary.json").write_text(json.dumps({
-        "step": step, "total_steps": total, "tokens": tokens, "train_seconds": round(ts), "params": n_params,
-        "val_loss": vl, "last_loss_ema": ema, "args": vars(args)}, indent=2))
-    print(f"done: step {step}/{total}  val {vl:.4f}  tokens {tokens:,}  {ts / 60:.1f} min  -> {out}", flush=True)
-    logf.close()
+        "step": run.step, "total_steps": run.total, "tokens": run.tokens, "train_seconds": round(ts),
+        "params": n_params, "val_loss": vl, "last_loss_ema": ema, "args": vars(args)}, indent=2))
+    print(f"done: step {run.step}/{run.total}  val {vl:.4f}  tokens {run.tokens:,}  {ts / 60:.1f} min  -> {out}",
+          flush=True)
+    log.close()
 
 
 if __name__ == "__main__":
