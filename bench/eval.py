@@ -285,12 +285,54 @@ def _load_problems(task, path, limit, source: str) -> list[dict]:
 def _run(args) -> int:
     rank, world = _dist()
     task = get_task(args.task)
+    _check_counts(args)
+    specs = _method_specs(args)
+    data = f"--data {args.data}" if args.data else f"the {args.task} data"
+    problems = _load_problems(task, args.data, args.limit, data)
+    if not problems:
+        raise InputError(f"the {args.task} data holds no problem")
+    if not Path(args.model).is_dir():
+        raise CheckpointError(f"model directory {args.model} does not exist")
+    window = ModelConfig.from_dir(args.model).max_length
+    k, shots, shots_path = _few_shots(task, problems, args, window)
+    tok = Tokenizer(args.model)
+    too_long = window_error(task, problems, k, shots_path, tok.encode, window, args.gen_length, args.block_length)
+    if too_long:                                  # say so before loading weights, with a setting that fits
+        raise InputError(too_long)
+    if getattr(task, "RUNS_CODE", False):           # generated code will run: is the sandbox usable here?
+        check_sandbox(sandbox_mode(args))
+    if args.plot and rank == 0:                     # outputs are checked writable before any decoding
+        _writable_dir(Path(args.plot), "--plot")
+    out = _output_file(args, rank)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if world > 1 and device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    set_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype, device=device)
+    records, walls, results, traces, parts = _decode_methods(model, tok, task, problems, shots, specs, args, out,
+                                                             rank, world)
+    if rank != 0:
+        return 0
+    if args.plot and world > 1:
+        results, traces = merge_plot_data([({m: pd[0] for m, pd in zip(walls, col)}, {m: pd[1] for m, pd in zip(walls, col)})
+                                           for col in zip(*parts)])
+    _report(args, task, problems, records, walls, results, traces, device, world, out)
+    return 0
+
+
+def _check_counts(args) -> None:
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.few_shot is not None and args.few_shot < 0:
         raise InputError(f"--few-shot must be >= 0, got {args.few_shot}")
+
+
+def _method_specs(args) -> list[tuple[str, dict]]:
+    """The (name, options) to run, greedy (the speed baseline, measured in this run) first; every
+    spec is checked, and two specs that decode the same configuration are an error, before the
+    first one runs. Sets the task's default --gen-length when none was given."""
     specs = [parse_method(s) for s in args.methods]
     if specs[0][0] != "greedy" or specs[0][1]:
         specs = [s for s in specs if s != ("greedy", {})]
@@ -307,13 +349,12 @@ def _run(args) -> int:
                              f"(with --cache {args.cache}, --gen-length {args.gen_length}, --block-length "
                              f"{args.block_length}); give each once")
         seen[label] = cfg
-    data = f"--data {args.data}" if args.data else f"the {args.task} data"
-    problems = _load_problems(task, args.data, args.limit, data)
-    if not problems:
-        raise InputError(f"the {args.task} data holds no problem")
-    if not Path(args.model).is_dir():
-        raise CheckpointError(f"model directory {args.model} does not exist")
-    window = ModelConfig.from_dir(args.model).max_length
+    return specs
+
+
+def _few_shots(task, problems: list[dict], args, window: int):
+    """(k, the k few-shot examples, the file they come from): k bounded by the room the model's
+    window leaves for the prompt before a single example is built, the examples checked."""
     k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot
     room = window - args.gen_length
     shots_path = args.few_shot_data or args.data
@@ -334,20 +375,13 @@ def _run(args) -> int:
     if len(shots) < k:
         raise InputError(f"--few-shot {k}: the few-shot data holds only {len(shots)} examples")
     task.check(shots, "the few-shot data")
-    tok = Tokenizer(args.model)
-    too_long = window_error(task, problems, k, shots_path, tok.encode, window, args.gen_length, args.block_length)
-    if too_long:                                  # say so before loading weights, with a setting that fits
-        raise InputError(too_long)
-    if getattr(task, "RUNS_CODE", False):           # generated code will run: is the sandbox usable here?
-        check_sandbox(sandbox_mode(args))
-    if args.plot and rank == 0:                     # outputs are checked writable before any decoding
-        _writable_dir(Path(args.plot), "--plot")
-    out = _output_file(args, rank)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if world > 1 and device == "cuda":
-        device = f"cuda:{rank % torch.cuda.device_count()}"
-    set_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype, device=device)
+    return k, shots, shots_path
+
+
+def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, out, rank: int, world: int):
+    """Every method over this rank's share of the problems: (records of all ranks, wall seconds per
+    method, plot results and traces per method, each rank's plot data per method). Rank 0 appends
+    each method's records to `out` as they are produced."""
     mine = problems[rank::world]
     prompts = [tok.encode(task.format_prompt(pr, shots)) for pr in mine]
     records, walls, traces, results, parts = [], {}, {}, {}, []
@@ -370,11 +404,13 @@ def _run(args) -> int:
         if rank == 0:                                       # written as produced: an interruption loses nothing
             with open(out, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)
-    if rank != 0:
-        return 0
-    if args.plot and world > 1:
-        results, traces = merge_plot_data([({m: pd[0] for m, pd in zip(walls, col)}, {m: pd[1] for m, pd in zip(walls, col)})
-                                           for col in zip(*parts)])
+    return records, walls, results, traces, parts
+
+
+def _report(args, task, problems: list[dict], records: list[dict], walls: dict, results: dict, traces: dict,
+            device: str, world: int, out) -> None:
+    """The table per method (with the task's metrics), the figures with --plot, and one JSON line."""
+    metrics = getattr(task, "METRICS", ())
     order = list(walls)
     rows = summarize(records, walls, order)
     for row in rows:
@@ -392,8 +428,6 @@ def _run(args) -> int:
         files = write_plots(Path(args.plot), rows, results, traces, args.block_length)
         print("figures: " + ", ".join(str(f) for f in files))
     print(json.dumps({"task": args.task, "problems": len(problems), "results_file": str(out), "rows": rows}))
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -57,7 +57,32 @@ def write_plots(out_dir: Path, rows, results: dict, traces: dict, block_len: int
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
+    files = [_pareto_figure(plt, out_dir / "pareto.png", rows)]
+    data = {"pareto": [{k: r[k] for k in ("method", "accuracy", "tpf")} for r in rows],
+            "precision_at_k": {}, "contribution": {}}
+    greedy = next((m for m in results if m.startswith("greedy")), None)
+    if greedy and traces.get(greedy):
+        prec = precision_at_k(results[greedy], traces[greedy], block_len)
+        data["precision_at_k"] = {str(h): {str(k): v for k, v in curve.items()} for h, curve in prec.items()}
+        files.append(_lookahead_figure(plt, out_dir / "lookahead.png", prec))
+    spec = [m for m in results if any(r.commit_source.count(1) for r in results[m])]
+    if spec:
+        files.append(_contribution_figure(plt, out_dir / "contribution.png", results, spec, block_len,
+                                          data["contribution"]))
+    files.append(out_dir / "figures.json")             # the numbers behind the figures
+    files[-1].write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return files
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _pareto_figure(plt, path: Path, rows) -> Path:
+    """Accuracy against tokens per forward call, one marker per method."""
     fig, ax = plt.subplots(figsize=(10, 4.5))
     markers = "osD^vP*Xh<>p"
     for i, r in enumerate(rows):      # a legend, not inline labels: methods often share a point
@@ -68,49 +93,36 @@ def write_plots(out_dir: Path, rows, results: dict, traces: dict, block_len: int
     ax.set_ylabel("accuracy (%)")
     ax.set_title("accuracy vs parallelism")
     ax.grid(alpha=0.3)
-    files.append(out_dir / "pareto.png")
-    fig.tight_layout()
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    return _save(plt, fig, path)
 
-    data = {"pareto": [{k: r[k] for k in ("method", "accuracy", "tpf")} for r in rows],
-            "precision_at_k": {}, "contribution": {}}
-    greedy = next((m for m in results if m.startswith("greedy")), None)
-    if greedy and traces.get(greedy):
-        prec = precision_at_k(results[greedy], traces[greedy], block_len)
-        data["precision_at_k"] = {str(h): {str(k): v for k, v in curve.items()} for h, curve in prec.items()}
-        fig, ax = plt.subplots(figsize=(6, 4.5))
-        for h, curve in prec.items():
-            if curve:
-                ax.plot(list(curve), [100 * v for v in curve.values()], marker="o", label=f"step t+{h}")
-        ax.set_xlabel("K (top-K of the step-t confidence order)")
-        ax.set_ylabel("precision@K (%)")
-        ax.set_title("predictability of future decoding positions (greedy)")
-        ax.legend()
+
+def _lookahead_figure(plt, path: Path, prec: dict) -> Path:
+    """Greedy's precision@K of the step-t confidence order, one curve per lookahead h."""
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for h, curve in prec.items():
+        if curve:
+            ax.plot(list(curve), [100 * v for v in curve.values()], marker="o", label=f"step t+{h}")
+    ax.set_xlabel("K (top-K of the step-t confidence order)")
+    ax.set_ylabel("precision@K (%)")
+    ax.set_title("predictability of future decoding positions (greedy)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def _contribution_figure(plt, path: Path, results: dict, spec: list[str], block_len: int, data: dict) -> Path:
+    """Per speculative method, the share of tokens committed by stage 1 and by accepted drafts over
+    block progress; the profiles go into `data` by method."""
+    fig, axes = plt.subplots(1, len(spec), figsize=(5 * len(spec), 4), squeeze=False)
+    for ax, m in zip(axes[0], spec):
+        s1, sp = contribution_profile(results[m], block_len)
+        data[m] = {"stage1": s1, "speculative": sp}
+        x = [(i + 0.5) / len(s1) for i in range(len(s1))]
+        ax.plot(x, [100 * v for v in s1], marker="o", label="stage 1 (parallel)")
+        ax.plot(x, [100 * v for v in sp], marker="s", label="accepted drafts (speculative)")
+        ax.set_xlabel("block progress")
+        ax.set_ylabel("share of committed tokens (%)")
+        ax.set_title(m, fontsize=8)
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        files.append(out_dir / "lookahead.png")
-        fig.tight_layout()
-        fig.savefig(files[-1], dpi=120)
-        plt.close(fig)
-
-    spec = [m for m in results if any(r.commit_source.count(1) for r in results[m])]
-    if spec:
-        fig, axes = plt.subplots(1, len(spec), figsize=(5 * len(spec), 4), squeeze=False)
-        for ax, m in zip(axes[0], spec):
-            s1, sp = contribution_profile(results[m], block_len)
-            data["contribution"][m] = {"stage1": s1, "speculative": sp}
-            x = [(i + 0.5) / len(s1) for i in range(len(s1))]
-            ax.plot(x, [100 * v for v in s1], marker="o", label="stage 1 (parallel)")
-            ax.plot(x, [100 * v for v in sp], marker="s", label="accepted drafts (speculative)")
-            ax.set_xlabel("block progress")
-            ax.set_ylabel("share of committed tokens (%)")
-            ax.set_title(m, fontsize=8)
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3)
-        files.append(out_dir / "contribution.png")
-        fig.tight_layout()
-        fig.savefig(files[-1], dpi=120)
-        plt.close(fig)
-    files.append(out_dir / "figures.json")             # the numbers behind the figures
-    files[-1].write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    return files
+    return _save(plt, fig, path)
