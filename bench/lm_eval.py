@@ -203,6 +203,66 @@ def _request_label(req) -> str:
     return f"request {getattr(req, 'doc_id', None)} of task {getattr(req, 'task_name', None) or '?'}"
 
 
+# ---------------------------------------------------------------------- model_args
+def _model_args(model_args: dict) -> tuple[dict, dict]:
+    """(model_args with pretrained= read as model=, the engine's decoding options by every spelling);
+    a name that is neither a model_arg nor a decoding option is an error."""
+    args = dict(model_args)
+    if "pretrained" in args:
+        if "model" in args:
+            raise InputError("give the checkpoint as model= or pretrained=, not both")
+        args["model"] = args.pop("pretrained")
+    options = decode_options()
+    unknown = sorted(k for k in args if k not in MODEL_ARGS and k not in options)
+    if unknown:
+        valid = sorted(set(MODEL_ARGS) | set(options))
+        raise InputError(f"unknown model_arg {unknown[0]!r} for the psd model; valid: {', '.join(valid)}")
+    return args, options
+
+
+def _settings(args: dict, harness: dict) -> dict:
+    """Every MODEL_ARGS entry parsed (its default when not given), checked; batch_size falls back to
+    lm-eval's --batch_size."""
+    m = {k: (p(k, args[k]) if args.get(k) is not None else d) for k, (p, d, _) in MODEL_ARGS.items()}
+    if m["truncate"] not in TRUNCATE:
+        raise InputError(f"model_arg truncate={m['truncate']!r}: expected one of {', '.join(TRUNCATE)}")
+    if m["mc_num"] < 1:
+        raise InputError(f"model_arg mc_num must be >= 1, got {m['mc_num']}")
+    if m["batch_size"] is None:
+        hb = harness.get("batch_size", 1)
+        if isinstance(hb, str) and hb.strip().startswith("auto"):
+            raise InputError(f"--batch_size {hb} is not supported by the psd model; give an integer")
+        m["batch_size"] = _int("batch_size", hb)
+    if m["batch_size"] < 1:
+        raise InputError(f"batch_size must be >= 1, got {m['batch_size']}")
+    return m
+
+
+def _decoding_options(args: dict, options: dict) -> dict[str, Any]:
+    """The decoding options given, by canonical name, typed by the engine's own declarations."""
+    given: dict[str, Any] = {}
+    for key, value in args.items():
+        if key in MODEL_ARGS or value is None:      # lm-eval reads `None`/`none` as None: not given
+            continue
+        opt = options[key]
+        if opt.name in given:
+            raise InputError(f"decoding option {opt.name} is given twice (as {key} and another spelling)")
+        given[opt.name] = opt.coerce(key, value)
+    return given
+
+
+def _checkpoint_dir(model: str | None) -> Path:
+    """The checkpoint directory of model= (default: the shipped model); a hub id or a missing
+    directory is one error."""
+    hint = hub_id_hint(model, flag="model=")
+    if hint is not None:
+        raise CheckpointError(hint)
+    model_dir = Path(model) if model is not None else DEFAULT_MODEL_DIR
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
+    return model_dir
+
+
 # ---------------------------------------------------------------------- the model
 @register_model("psd")
 class PsdLM(LM):
@@ -228,46 +288,10 @@ class PsdLM(LM):
     def __init__(self, harness: dict | None = None, **model_args):
         super().__init__()
         harness = dict(harness or {})
-        args = dict(model_args)
-        if "pretrained" in args:
-            if "model" in args:
-                raise InputError("give the checkpoint as model= or pretrained=, not both")
-            args["model"] = args.pop("pretrained")
-        options = decode_options()
-        unknown = sorted(k for k in args if k not in MODEL_ARGS and k not in options)
-        if unknown:
-            valid = sorted(set(MODEL_ARGS) | set(options))
-            raise InputError(f"unknown model_arg {unknown[0]!r} for the psd model; valid: {', '.join(valid)}")
-
-        m = {k: (p(k, args[k]) if args.get(k) is not None else d) for k, (p, d, _) in MODEL_ARGS.items()}
-        if m["truncate"] not in TRUNCATE:
-            raise InputError(f"model_arg truncate={m['truncate']!r}: expected one of {', '.join(TRUNCATE)}")
-        if m["mc_num"] < 1:
-            raise InputError(f"model_arg mc_num must be >= 1, got {m['mc_num']}")
-        if m["batch_size"] is None:
-            hb = harness.get("batch_size", 1)
-            if isinstance(hb, str) and hb.strip().startswith("auto"):
-                raise InputError(f"--batch_size {hb} is not supported by the psd model; give an integer")
-            m["batch_size"] = _int("batch_size", hb)
-        if m["batch_size"] < 1:
-            raise InputError(f"batch_size must be >= 1, got {m['batch_size']}")
-
-        # decoding options, typed by the engine's own declarations
-        given: dict[str, Any] = {}
-        for key, value in args.items():
-            if key in MODEL_ARGS or value is None:      # lm-eval reads `None`/`none` as None: not given
-                continue
-            opt = options[key]
-            if opt.name in given:
-                raise InputError(f"decoding option {opt.name} is given twice (as {key} and another spelling)")
-            given[opt.name] = opt.coerce(key, value)
-
-        hint = hub_id_hint(m["model"], flag="model=")
-        if hint is not None:
-            raise CheckpointError(hint)
-        model_dir = Path(m["model"]) if m["model"] is not None else DEFAULT_MODEL_DIR
-        if not model_dir.is_dir():
-            raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
+        args, options = _model_args(model_args)
+        m = _settings(args, harness)
+        given = _decoding_options(args, options)
+        model_dir = _checkpoint_dir(m["model"])
         sizes = ModelConfig.from_dir(model_dir).generation_defaults
         if "block_length" not in given and "block_length" in sizes:
             given["block_length"] = sizes["block_length"]

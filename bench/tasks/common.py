@@ -315,7 +315,23 @@ def extract_code(completion: str, entry_point: str | None = None) -> str | None:
     if start is None:
         return None
     imports = [ln.rstrip() for ln in lines[:start] if _IMPORT.match(ln)]
+    blocks = _top_level_blocks(lines, start)
+    keep = 1
+    if entry_point:
+        for k, b in enumerate(blocks):
+            if _block_name(b) == entry_point:
+                keep = k + 1
+                break
+    for n in range(len(blocks), keep - 1, -1):
+        src = _render(imports, blocks[:n])
+        if _compiles(src):
+            return src
+    return _render(imports, blocks[:keep])
 
+
+def _top_level_blocks(lines: list[str], start: int) -> list[list[str]]:
+    """Rule 4 of `extract_code`: the whole top-level blocks from line `start` on (decorators joined
+    to their def/class, trailing blank lines dropped), up to the first other top-level line."""
     blocks: list[list[str]] = []
     i = start
     while i < len(lines):
@@ -339,23 +355,14 @@ def extract_code(completion: str, entry_point: str | None = None) -> str | None:
         while block and not block[-1].strip():
             block.pop()
         blocks.append(block)
+    return blocks
 
-    def render(bs: list[list[str]]) -> str:
-        head = "\n".join(imports)
-        body = "\n\n".join("\n".join(b) for b in bs)
-        return (head + "\n" + body if head else body) + "\n"
 
-    keep = 1
-    if entry_point:
-        for k, b in enumerate(blocks):
-            if _block_name(b) == entry_point:
-                keep = k + 1
-                break
-    for n in range(len(blocks), keep - 1, -1):
-        src = render(blocks[:n])
-        if _compiles(src):
-            return src
-    return render(blocks[:keep])
+def _render(imports: list[str], bs: list[list[str]]) -> str:
+    """The import lines, then the blocks separated by a blank line."""
+    head = "\n".join(imports)
+    body = "\n\n".join("\n".join(b) for b in bs)
+    return (head + "\n" + body if head else body) + "\n"
 
 
 def truncate_at(text: str, stops: Iterable[str]) -> str:
