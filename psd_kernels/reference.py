@@ -459,64 +459,70 @@ def shared_prefix_attention(
     R, H, L, D, Hkv, S, C = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask,
                                                  row_map)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out_dtype = q.dtype
     G = H // Hkv
-    GL = G * L
     # float32 math for 16-bit inputs (float64 stays float64): ONE rounding to q's dtype at the
     # end, as the kernel does; the cast copies each cache row once, never per row. (Few large
     # ops: on a loaded CPU every parallel op can cost a scheduling slice.)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qg = q.reshape(R, Hkv, GL, D)   # the G query heads of kv head g share its keys: rows (head-in-group, position)
-
-    # Own part: row r's G*L queries of kv head g against its own L keys.
-    om = None
-    if own_mask is not None:   # [R|1, L, L] -> [R|1, 1, G*L, L]: every head of a group shares the mask
-        om = own_mask[:, None, None].expand(own_mask.shape[0], 1, G, L, L).reshape(own_mask.shape[0], 1, GL, L)
-    o_own, lse_own = _attend_lse(qg.to(acc), k_own.to(acc), v_own.to(acc), scale, om)
-
-    if S == 0 or R == 0:
-        o, lse = o_own.reshape(R, H, L, D), lse_own.float().reshape(R, H, L)
-    else:
-        # Shared part: the rows of each cache row as ONE query sequence per kv head against one copy
-        # of that cache row: [C, Hkv, n*G*L, D] with n rows per cache row (padded to the largest n).
-        if row_map is None:
-            plan = RowPlan(q.new_zeros(R, dtype=torch.int64), 1, None, None, None, R, True)
-        else:
-            plan = (row_map if isinstance(row_map, RowPlan) else plan_rows(row_map, C)).padded()
-        n = plan.max_rows
-        q_sh = torch.empty(C, Hkv, n, GL, D, dtype=acc, device=q.device)
-        if plan.rect:       # rows already [C, n]: permute and cast in one copy
-            q_sh.copy_(qg.view(C, n, Hkv, GL, D).transpose(1, 2))
-        else:               # padding slots see zero queries; their results are never read
-            c_of, j_of = plan.slots // n, plan.slots % n
-            q_sh.zero_()[c_of, :, j_of] = qg.to(acc)
-        ks = k_shared if k_shared.dim() == 4 else k_shared[None]
-        vs = v_shared if v_shared.dim() == 4 else v_shared[None]
-        km = None
-        if shared_mask is not None:
-            km = (shared_mask if shared_mask.dim() == 2 else shared_mask[None])[:, None, None, :]   # [C|1, 1, 1, S]
-        o_sh, lse_sh = _attend_lse(q_sh.view(C, Hkv, n * GL, D), ks.to(acc), vs.to(acc), scale, km)
-        o_sh, lse_sh = o_sh.view(C, Hkv, n, GL, D), lse_sh.view(C, Hkv, n, GL)
-        if plan.rect:       # the rows are [C, n]: strided views, no gather
-            rows = (C, n, Hkv, GL)
-            o_sh, lse_sh = o_sh.transpose(1, 2), lse_sh.transpose(1, 2)
-        else:               # one gather of the rows' slots
-            rows = (R, Hkv, GL)
-            o_sh, lse_sh = o_sh[c_of, :, j_of], lse_sh[c_of, :, j_of]
-        o_own, lse_own = o_own.reshape(*rows, D), lse_own.reshape(rows)
-        # merge by log-sum-exp (merge_attention's formula) as ONE pass over the outputs:
-        # out = lerp(own, shared, w) with w = exp(lse_shared - lse), the shared part's weight
-        lse = torch.logaddexp(lse_sh.to(acc), lse_own.to(acc))
-        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        w_sh = torch.exp(lse_sh.to(acc) - safe)
-        o = torch.lerp(o_own, o_sh, w_sh[..., None])
-        o, lse = o.reshape(R, H, L, D), lse.float().reshape(R, H, L)
-    o = o.to(out_dtype)
+    qg = q.reshape(R, Hkv, G * L, D)   # the G query heads of kv head g share its keys: rows (head-in-group, position)
+    o, lse = _own_part(qg, k_own, v_own, scale, own_mask, G, L, acc)
+    if S > 0 and R > 0:
+        o_sh, lse_sh, rows = _shared_part(qg, k_shared, v_shared, scale, shared_mask, row_map, C, acc)
+        o, lse = _merge_parts(o.reshape(*rows, D), lse.reshape(rows), o_sh, lse_sh, acc)
+    o, lse = o.reshape(R, H, L, D).to(q.dtype), lse.float().reshape(R, H, L)
     if out is not None:
         out[0].copy_(o)
         out[1].copy_(lse)
         return out
     return o, lse
+
+
+def _own_part(qg, k_own, v_own, scale: float, own_mask, G: int, L: int, acc: torch.dtype):
+    """Row r's G*L queries of kv head g (qg [R, Hkv, G*L, D]) against its own L keys: (out, lse) in `acc`."""
+    om = None
+    if own_mask is not None:   # [R|1, L, L] -> [R|1, 1, G*L, L]: every head of a group shares the mask
+        om = own_mask[:, None, None].expand(own_mask.shape[0], 1, G, L, L).reshape(own_mask.shape[0], 1, G * L, L)
+    return _attend_lse(qg.to(acc), k_own.to(acc), v_own.to(acc), scale, om)
+
+
+def _shared_part(qg, k_shared, v_shared, scale: float, shared_mask, row_map, C: int, acc: torch.dtype):
+    """Each row's queries (qg [R, Hkv, G*L, D]) against the S keys of its cache row: (out, lse, rows)
+    with out [*rows, D] and lse [*rows] in `acc`, `rows` either (C, n, Hkv, G*L) (rows already laid
+    out [C, n]) or (R, Hkv, G*L).
+
+    The rows of each cache row are ONE query sequence per kv head against one copy of that cache
+    row: [C, Hkv, n*G*L, D] with n rows per cache row (padded to the largest n)."""
+    R, Hkv, GL, D = qg.shape
+    if row_map is None:
+        plan = RowPlan(qg.new_zeros(R, dtype=torch.int64), 1, None, None, None, R, True)
+    else:
+        plan = (row_map if isinstance(row_map, RowPlan) else plan_rows(row_map, C)).padded()
+    n = plan.max_rows
+    q_sh = torch.empty(C, Hkv, n, GL, D, dtype=acc, device=qg.device)
+    if plan.rect:       # rows already [C, n]: permute and cast in one copy
+        q_sh.copy_(qg.view(C, n, Hkv, GL, D).transpose(1, 2))
+    else:               # padding slots see zero queries; their results are never read
+        c_of, j_of = plan.slots // n, plan.slots % n
+        q_sh.zero_()[c_of, :, j_of] = qg.to(acc)
+    ks = k_shared if k_shared.dim() == 4 else k_shared[None]
+    vs = v_shared if v_shared.dim() == 4 else v_shared[None]
+    km = None
+    if shared_mask is not None:
+        km = (shared_mask if shared_mask.dim() == 2 else shared_mask[None])[:, None, None, :]   # [C|1, 1, 1, S]
+    o_sh, lse_sh = _attend_lse(q_sh.view(C, Hkv, n * GL, D), ks.to(acc), vs.to(acc), scale, km)
+    o_sh, lse_sh = o_sh.view(C, Hkv, n, GL, D), lse_sh.view(C, Hkv, n, GL)
+    if plan.rect:       # the rows are [C, n]: strided views, no gather
+        return o_sh.transpose(1, 2), lse_sh.transpose(1, 2), (C, n, Hkv, GL)
+    return o_sh[c_of, :, j_of], lse_sh[c_of, :, j_of], (R, Hkv, GL)   # one gather of the rows' slots
+
+
+def _merge_parts(o_own, lse_own, o_sh, lse_sh, acc: torch.dtype):
+    """Merge by log-sum-exp (merge_attention's formula) as ONE pass over the outputs:
+    out = lerp(own, shared, w) with w = exp(lse_shared - lse), the shared part's weight."""
+    lse = torch.logaddexp(lse_sh.to(acc), lse_own.to(acc))
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w_sh = torch.exp(lse_sh.to(acc) - safe)
+    return torch.lerp(o_own, o_sh, w_sh[..., None]), lse
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,7 +46,14 @@ def variants(quick: bool = False, only: str | None = None):
 
 
 def _variants(quick: bool):
-    from . import draft, moe, sparse_attn, top1
+    yield from _top1_variants(quick)
+    yield from _draft_variants(quick)
+    yield from _sparse_attn_variants(quick)
+    yield from _moe_variants(quick)
+
+
+def _top1_variants(quick: bool):
+    from . import top1
 
     for score, noise, exclude, dt in itertools.product(range(3), (False, True), (False, True), ("bf16", "fp32")):
         if quick and (not exclude or dt == "fp32"):
@@ -56,6 +63,10 @@ def _variants(quick: bool):
         sig = _signature(top1._top1_kernel, {"X": f"*{dt}", "NOISE": "*fp32", "IDS": "*i64", "CONF": "*fp32"},
                          {"temperature": "fp32"}, ce)
         yield f"top1 score={score} noise={noise} exclude={exclude} {dt}", top1._top1_kernel, sig, ce, warps
+
+
+def _draft_variants(quick: bool):
+    from . import draft
 
     for L, K in ((32, 8),) if quick else ((32, 8), (1, 1), (1024, 3)):
         block_l, block_j, block_k, warps = draft.launch_config(L, K)
@@ -70,6 +81,10 @@ def _variants(quick: bool):
         ce_d = dict(ce, BLOCK_K=block_k)
         fn = draft._assemble_drafts_kernel
         yield f"assemble_drafts L={L} K={K}", fn, _signature(fn, ptr, {}, ce_d), ce_d, warps
+
+
+def _sparse_attn_variants(quick: bool):
+    from . import sparse_attn
 
     fn = sparse_attn._shared_prefix_attn_kernel
     # (shared mask, own mask): the model passes (True, False) on bidirectional models and
@@ -92,6 +107,10 @@ def _variants(quick: bool):
         label = (f"shared_prefix_attention {dt} D={head_dim} G={group} shared_mask={smask} own_mask={omask} "
                  f"{cfg.kwargs}")
         yield label, fn, _signature(fn, ptr, {"qk_scale": "fp32"}, ce), ce, cfg.num_warps
+
+
+def _moe_variants(quick: bool):
+    from . import moe
 
     # (slots, experts): decode (a few slots per expert), a mid batch, prefill (many per expert)
     for dt, (n, e) in itertools.product(("bf16", "fp16", "fp32"), ((64, 64), (2048, 64), (16384, 64))):

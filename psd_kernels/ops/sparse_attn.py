@@ -228,41 +228,14 @@ def shared_prefix_attention(
     check_device(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask,
                  plan.row_map if plan is not None else row_map)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if out is None:
-        o = torch.empty(R, H, L, D, dtype=q.dtype, device=q.device)
-        lse = torch.empty(R, H, L, dtype=torch.float32, device=q.device)
-    else:
-        check_out_pair(out, ("out", "lse"))
-        o = check_out(out[0], "out", (R, H, L, D), q.dtype, q.device)
-        lse = check_out(out[1], "lse", (R, H, L), torch.float32, q.device)
+    o, lse = _outputs(out, q, (R, H, L, D))
     G = H // Hkv
     M = R * G * L
     if M == 0 or D == 0:
         return o, lse
     if plan is None:
-        if row_map is None:        # every row reads cache row 0: rows in order, one group (no host data)
-            order = torch.arange(R, device=q.device)
-            offsets = torch.arange(2, device=q.device) * R
-            plan = RowPlan(order, 1, order, offsets)
-        else:
-            plan = plan_rows(row_map, C, padded=False)
-    ks = k_shared if k_shared.dim() == 4 else k_shared[None]
-    vs = v_shared if v_shared.dim() == 4 else v_shared[None]
-    mask = shared_mask.view(torch.uint8) if shared_mask is not None else q  # q: never read
-    m_strides = (0, 0)
-    if shared_mask is not None:   # a [S] mask applies to every cache row
-        m_strides = (shared_mask.stride(0), shared_mask.stride(1)) if shared_mask.dim() == 2 else (0, shared_mask.stride(0))
-    omask = own_mask.view(torch.uint8) if own_mask is not None else q
-    om_strides = (own_mask.stride(0) if own_mask.shape[0] > 1 else 0, *own_mask.stride()[1:]) \
-        if own_mask is not None else (0, 0, 0)
-    args = (
-        q, ks, vs, k_own, v_own, mask, omask, o, lse, plan.order, plan.offsets,
-        *q.stride(), *ks.stride(), *vs.stride(), *k_own.stride(), *v_own.stride(),
-        *o.stride(), *lse.stride(),
-        *m_strides,
-        *om_strides,
-        C, L, S, triton.next_power_of_2(M), triton.next_power_of_2(S) if S else 0, scale * _LOG2E,
-    )
+        plan = _plan(row_map, R, C, q.device)
+    args = _kernel_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask, o, lse, plan, C, L, S, M, scale)
     meta = dict(
         HEAD_DIM=D, GROUP=G, HAS_MASK=shared_mask is not None, HAS_OWN_MASK=own_mask is not None,
         # the interpreter's dot mishandles 16-bit floats, so it gets fp32 tiles
@@ -279,6 +252,49 @@ def shared_prefix_attention(
     else:
         _kernel[lambda META: (triton.cdiv(M, META["BLOCK_M"]) + extra, Hkv)](*args, **meta)
     return o, lse
+
+
+def _outputs(out, q: torch.Tensor, shape: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [R, H, L, D] in q's dtype, lse float32 [R, H, L]): fresh, or the caller's `out` pair checked."""
+    R, H, L, D = shape
+    if out is None:
+        return (torch.empty(R, H, L, D, dtype=q.dtype, device=q.device),
+                torch.empty(R, H, L, dtype=torch.float32, device=q.device))
+    check_out_pair(out, ("out", "lse"))
+    return (check_out(out[0], "out", (R, H, L, D), q.dtype, q.device),
+            check_out(out[1], "lse", (R, H, L), torch.float32, q.device))
+
+
+def _plan(row_map, R: int, C: int, device: torch.device) -> RowPlan:
+    """The rows grouped by cache row (order, offsets), when the caller gave no RowPlan."""
+    if row_map is None:        # every row reads cache row 0: rows in order, one group (no host data)
+        order = torch.arange(R, device=device)
+        offsets = torch.arange(2, device=device) * R
+        return RowPlan(order, 1, order, offsets)
+    return plan_rows(row_map, C, padded=False)
+
+
+def _kernel_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask, o, lse, plan: RowPlan,
+                 C: int, L: int, S: int, M: int, scale: float) -> tuple:
+    """The kernel's positional arguments: tensors, strides (a [S] shared mask and a [1, L, L] own
+    mask broadcast by stride 0; an absent mask is a never-read stand-in), sizes and autotune keys."""
+    ks = k_shared if k_shared.dim() == 4 else k_shared[None]
+    vs = v_shared if v_shared.dim() == 4 else v_shared[None]
+    mask = shared_mask.view(torch.uint8) if shared_mask is not None else q  # q: never read
+    m_strides = (0, 0)
+    if shared_mask is not None:   # a [S] mask applies to every cache row
+        m_strides = (shared_mask.stride(0), shared_mask.stride(1)) if shared_mask.dim() == 2 else (0, shared_mask.stride(0))
+    omask = own_mask.view(torch.uint8) if own_mask is not None else q
+    om_strides = (own_mask.stride(0) if own_mask.shape[0] > 1 else 0, *own_mask.stride()[1:]) \
+        if own_mask is not None else (0, 0, 0)
+    return (
+        q, ks, vs, k_own, v_own, mask, omask, o, lse, plan.order, plan.offsets,
+        *q.stride(), *ks.stride(), *vs.stride(), *k_own.stride(), *v_own.stride(),
+        *o.stride(), *lse.stride(),
+        *m_strides,
+        *om_strides,
+        C, L, S, triton.next_power_of_2(M), triton.next_power_of_2(S) if S else 0, scale * _LOG2E,
+    )
 
 
 shared_prefix_attention.__doc__ = """Triton twin of ``reference.shared_prefix_attention`` (same
