@@ -21,6 +21,7 @@ from .errors import MAX_FILE_BYTES, InputError, read_user_text
 from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, add_threads_flag,
                        decoding_options, guarded, plugins_loaded, resolve_device, set_threads)
 from .methods import METHODS
+from .uniform import for_model
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
@@ -29,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--model", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
                                     "default: the shipped models/default")
-    p.add_argument("--method", default="greedy", choices=list(METHODS),
-                   help="; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
+    p.add_argument("--method", choices=list(METHODS),
+                   help="default greedy; eb on a uniform-noise model (diffusion_gemma). " +
+                   "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
     add_decoding_flags(p)
     add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     for name, value in mc.generation_defaults.items():   # the checkpoint's suggestion, if none given
         if getattr(args, name) is None:
             setattr(args, name, value)
-    dc = DecodeConfig(method=args.method, **decoding_options(args)).validate()
+    dc = for_model(mc, DecodeConfig(method=args.method, **decoding_options(args))).validate()
     tok = Tokenizer(model_dir)
     from . import distributed
 

@@ -57,12 +57,13 @@ class DecodeConfig:
     draft_order: str
     k: int
 
-    def __init__(self, method: str = "greedy", **options):
+    def __init__(self, method: str | None = None, **options):
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise InputError(f"unknown decoding option {unknown[0]!r}; options: {', '.join(sorted(OPTIONS))}")
         given = {k: v for k, v in options.items() if v is not None}   # None = not given
-        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "method", "greedy" if method is None else method)
+        object.__setattr__(self, "method_given", method is not None)     # None: the default (a model may pick)
         object.__setattr__(self, "given", given)
         for name, option in OPTIONS.items():
             object.__setattr__(self, name, given.get(name, option.default))
@@ -86,7 +87,7 @@ class DecodeConfig:
 
     def replace(self, **options) -> "DecodeConfig":
         given = {**self.given, **options}
-        return DecodeConfig(given.pop("method", self.method), **given)
+        return DecodeConfig(given.pop("method", self.method if self.method_given else None), **given)
 
     def as_dict(self) -> dict:
         """Every option's value (given or default), with the method."""

@@ -34,6 +34,7 @@ from .config import check_prompts
 from .errors import InputError
 from .results import SequenceResult, collect_results, final_pieces
 from .state import Batch, join
+from .uniform import check_batchable
 
 
 @dataclass
@@ -54,6 +55,7 @@ class LiveBatch:
     def __init__(self, decoder, max_rows: int | None = None):
         if max_rows is not None and max_rows < 1:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
+        check_batchable(decoder.mc)
         self.dec, self.max_rows = decoder, max_rows
         self.waiting: list[tuple[int, list[int], int]] = []      # (handle, prompt ids, gen length)
         self.handles: list[int] = []                             # the batch's rows, in order

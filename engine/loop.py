@@ -38,6 +38,7 @@ from .policies import policy_key, policy_select, rank_of
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
 from .sampling import Sampler
 from .state import Batch, BlockRun, new_batch, state_of
+from .uniform import UniformNoise, for_model
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
 
@@ -54,10 +55,7 @@ class Decoder:
         self.trace = trace
         self.model = model
         self.mc = model.config
-        if self.mc.mask_token_id is None:         # DiffusionGemma: its canvas starts as uniform noise
-            raise InputError(f"a {self.mc.family} model has no mask token: it diffuses from uniform noise, which "
-                             f"this engine does not decode yet (the model loads and runs; docs/models.md)")
-        self.dc = (config or DecodeConfig()).validate()
+        self.dc = for_model(self.mc, config or DecodeConfig()).validate()   # DiffusionGemma: uniform noise
         self.policy = self.dc.policy()
         self.graph = self.dc.draft_graph()
         if self.dc.compile and model.device.type == "cpu" and not any(map(shutil.which, ("c++", "g++", "clang++"))):
@@ -75,6 +73,8 @@ class Decoder:
             self.graph, selection, dev, cost_model, self.dc.cost_profile, self.dc.cache,
             key=(id(model), str(dev), str(model.tok_embeddings.weight.dtype), self.dc.cache, self.dc.block_length))
         self.sampler = Sampler(self.dc, self.mc, dev)      # logits -> tokens: the one home of sampling
+        # uniform-noise models (no mask token): the paradigm's stages replace the masked ones (engine/uniform.py)
+        self.uniform = UniformNoise(model, self.dc, self.mc) if self.mc.mask_token_id is None else None
 
     def check_prompts(self, prompts) -> list[list[int]]:
         return check_prompts(self.mc, self.dc, prompts)
@@ -92,6 +92,8 @@ class Decoder:
     def _open_block(self, batch: Batch) -> BlockRun | None:
         """The rows that still generate and whose block (at the batch's cursor) is not complete
         (ETE may have filled it), after the block's first call; None if there are none."""
+        if self.uniform is not None:
+            return self.uniform.open_block(self, batch)
         L, P, N = self.dc.block_length, batch.prompt_width, batch.x.shape[1]
         lo = batch.cursor
         index = (lo - P) // L                    # the block index of the batch's first rows
@@ -138,6 +140,8 @@ class Decoder:
         return *self.sampler.predict(logits, batch.gen_start[seqs], win.lo), (None, None), cache, one, one - 1
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
+        if self.uniform is not None:
+            self.uniform.close(run)
         if (run.failed > 0).any():                                           # one read per block
             raise_failure(run)
         seqs, span = run.seqs, slice(run.win.lo, run.win.lo + run.win.width + run.win.ahead)
@@ -169,6 +173,8 @@ class Decoder:
     # ------------------------------------------------------------------ the three stages
     def _commit(self, run: BlockRun) -> torch.Tensor:
         """Stage 1: the policy commits on the latest verifier output; returns the masks [S, W]."""
+        if self.uniform is not None:
+            return self.uniform.commit(run)
         blk = run.block()
         masked = blk == self.mc.mask_token_id
         # a row with nothing masked is in an editing pass (policy.edits): it commits nothing
@@ -305,12 +311,15 @@ class Decoder:
                 act = run.pending.nonzero()[:, 0]                # one small read-back per step
                 if act.numel() == 0:
                     break
-                if self.trace is not None:
+                if self.trace is not None and self.uniform is None:
                     key = self._draft_key(run.conf[act], masked[act], run.step[act],
                                           state_of(run, act, slice(0, run.win.width)))
                     self.trace(run.seqs[act], index, run.step[act] - 1, rank_of(key.float(), masked[act]),
                                run.pred[act])
-                self._verify(run, act, *self._draft(run, act, masked))
+                if self.uniform is not None:          # the next step's call (no drafts: docs/algorithms.md §9)
+                    self.uniform.call(run, act)
+                else:
+                    self._verify(run, act, *self._draft(run, act, masked))
                 yield batch, run
             self._close_block(batch, run)
             batch.cursor += self.dc.block_length

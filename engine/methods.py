@@ -107,6 +107,8 @@ def _speculative(cfg, policy, graph) -> str:
     return f"{cfg.method}({policy.describe()},{shape},{'exact' if cfg.exact else 'policy'}{budget})"
 
 
+# eb on a uniform-noise model (DiffusionGemma): its denoising settings (engine/uniform.py; refused on masked models)
+UNIFORM_NOISE = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
 SPECULATION = ("draft_budget", "cost_profile", "cross_block")   # budget.py: which drafts pay; ahead.py: across blocks
 
 
@@ -126,7 +128,7 @@ for _m in (
     Method("threshold", "LLaDA2.x: c > τ per step, at least its k_t; optional token editing", Threshold,
            is_policy=True),
     Method("eb", "EB-Sampler: the lowest-entropy positions while their entropy sum minus its largest is <= γ",
-           EntropyBound, is_policy=True),
+           EntropyBound, UNIFORM_NOISE, is_policy=True),
     Method("spiffy", "lossless drafts of greedy over a draft graph", Greedy, ("depth", "graph") + SPECULATION,
            graph=_option_graph, exact=lambda cfg: True, describe=_speculative),
     Method("psd", "parallel speculative decoding over any policy", None,

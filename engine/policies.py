@@ -395,7 +395,24 @@ class EntropyBound(Policy):
     params = {"entropy_bound": "gamma"}
     declares = (Option("entropy_bound", float, "eb: commit the lowest-entropy masked positions while their "
                        "entropies' sum minus its largest stays <= this (nats; 0: one token per step)",
-                       label="entropy bound", check=_bound, aliases=("gamma",)),)
+                       label="entropy bound", check=_bound, aliases=("gamma",)),
+                # the uniform-noise paradigm's settings (engine/uniform.py; default: the checkpoint's
+                # generation_config.json, else transformers'); refused on masked models
+                Option("max_denoising_steps", int, "uniform-noise models (diffusion_gemma): steps per canvas at "
+                       "most", label="max denoising steps", check=lambda l, v: None if v >= 1 else
+                       f"{l} must be >= 1, got {v}", metavar="N"),
+                Option("t_min", float, "uniform-noise models: the temperature at the last step (the schedule falls "
+                       "linearly from t-max)", label="t-min", check=_bound),
+                Option("t_max", float, "uniform-noise models: the temperature at the first step", label="t-max",
+                       check=_bound),
+                Option("stability_threshold", int, "uniform-noise models: a canvas stops when its argmax is the "
+                       "same as the previous N steps' (and confident)", label="stability threshold",
+                       check=lambda l, v: None if v >= 0 else f"{l} must be >= 0, got {v}", metavar="N"),
+                Option("confidence_threshold", float, "uniform-noise models: ... and its mean entropy (nats) is "
+                       "below this", label="confidence threshold",
+                       check=lambda l, v: None if v > 0 and math.isfinite(v) else
+                       f"{l} must be finite and > 0, got {v}"),
+                )
 
     def select(self, conf, masked, step):
         # H = -conf >= 0 in exact arithmetic; the clamp keeps a rounding (or a caller's conf > 0) from

@@ -117,13 +117,14 @@ def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]
     N = x.shape[1]
     col = torch.arange(N, device=x.device)
     gen = (col >= batch.gen_start[:, None]) & (col < (batch.gen_start + batch.gen_len)[:, None])
-    first_masked = torch.where(gen & (x == mask_id), col, N).min(-1).values
+    first_masked = torch.where(gen & (x == mask_id), col, N).min(-1).values if mask_id is not None else \
+        torch.full_like(stop_at, N)                 # uniform noise: no masks (an open block is not final: below)
     kept = batch.gen_len if batch.out_len is None else batch.out_len
     end = torch.minimum(first_masked, batch.gen_start + kept)
     end = torch.where(stop_at >= 0, torch.minimum(end, stop_at + 1), end)
-    if run.post is not None:    # token editing: the open block's tokens may change until the block closes
-        open_rows = torch.zeros_like(stop_at, dtype=torch.bool)
-        open_rows[run.seqs] = run.pending
+    if run.post is not None or run.noise is not None:   # token editing, uniform noise: the open block's tokens
+        open_rows = torch.zeros_like(stop_at, dtype=torch.bool)           # may change until the block closes
+        open_rows[run.seqs] = run.pending if run.noise is None else True
         end = torch.where(open_rows, torch.minimum(end, batch.gen_start.clamp_min(run.win.lo)), end)
     return x, (end - batch.gen_start).clamp_min(0)
 

@@ -48,6 +48,8 @@ class Batch:
                                              # that committed it (ids exact in float64), most likely first
     out_len: torch.Tensor | None = None      # [B] generated positions a result keeps (None: gen_len); fewer
                                              # with --align sequence, whose last block runs past gen length
+    memory: object = None                    # uniform-noise models (engine/uniform.py): (the encoder's KVCache of
+                                             # the columns before the cursor, how many columns it holds)
 
     @property
     def end(self) -> int:
@@ -156,6 +158,7 @@ class BlockRun:
     commit_top: torch.Tensor | None = None   # [S, W, k, 2] as Batch.commit_top
     post: torch.Tensor | None = None         # [S] token editing (Policy.edits): editing passes taken on the
                                              # block after its last mask was filled; None without editing
+    noise: object = None                     # uniform-noise models: the block's denoising state (uniform.Canvas)
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
@@ -193,7 +196,7 @@ def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_l
     valid = torch.zeros(B, N, dtype=torch.bool, device=device)
     for b, (p, a, d) in enumerate(zip(prompts, lead, decoded)):
         x[b, P + a - len(p):P + a] = torch.tensor(p, device=device)
-        x[b, P + a:P + a + d] = mc.mask_token_id
+        x[b, P + a:P + a + d] = mc.mask_token_id if mc.mask_token_id is not None else pad   # uniform noise: drawn
         valid[b, P + a - len(p):P + a + d] = True
 
     def zeros(*shape, dtype=torch.long):

@@ -116,6 +116,9 @@ class ModelConfig:
     # gen_length / block_length suggested by generation_config.json: the CLI's, server's and
     # lm-eval adapter's default canvas sizes when the user gives none
     generation_defaults: dict = field(default_factory=dict, compare=False)
+    # DiffusionGemma's denoising settings from generation_config.json (_dg_generation): what transformers'
+    # generate decodes with by default; empty when the checkpoint has none (engine/uniform.py's defaults)
+    diffusion: dict = field(default_factory=dict, compare=False)
     extra: dict = field(default_factory=dict, repr=False)  # the source config.json, for writing back
 
     def __post_init__(self):
@@ -279,6 +282,7 @@ class ModelConfig:
         if family == "diffusion_gemma":     # the canvas (block) length is the engine's default block
             _dg_top_level(top)
             gen_defaults.setdefault("block_length", top.pos_int("canvas_length", 256))
+            kw["diffusion"] = _dg_generation(g, vocab) if g is not None else {}
         return cls(
             family=family,
             model_type=model_type,
@@ -514,6 +518,37 @@ _DG_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
 _DG_LAYER_KEYS = ("head_dim", "num_key_value_heads")       # what a per_layer_config entry may override
 _MAX_DG_LAYERS = 1 << 16
+
+
+def _dg_generation(g: "_Fields", vocab: int) -> dict:
+    """The denoising settings of a DiffusionGemma generation_config.json (the keys of transformers'
+    DiffusionGemmaGenerationConfig, `sampler_config` as it serialises it), each checked; only the keys
+    present. `eos_token_id` is the list of ids that end a sequence ([] = none: transformers then
+    never stops at EOS), `pad_token_id` the id written after it."""
+    out = {}
+    for key in ("max_denoising_steps", "stability_threshold"):
+        if g.raw.get(key) is not None:
+            out[key] = g.count(key) if key == "stability_threshold" else g.pos_int(key)
+    for key in ("t_min", "t_max", "confidence_threshold"):
+        if g.raw.get(key) is not None:
+            v = g.raw[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                g.fail(key, "a finite number >= 0", v)
+            out[key] = float(v)
+    sampler = g.raw.get("sampler_config")
+    if sampler is not None:
+        if not isinstance(sampler, dict) or sampler.get("_cls_name", "EntropyBoundSamplerConfig") != \
+                "EntropyBoundSamplerConfig":
+            g.fail("sampler_config", "an EntropyBoundSamplerConfig (the only sampler DiffusionGemma has)", sampler)
+        out["entropy_bound"] = _Fields(sampler, g.source).pos_num("entropy_bound")
+    out["eos_token_id"] = g.token_ids("eos_token_id")
+    pad = g.token_ids("pad_token_id")
+    out["pad_token_id"] = pad[0] if pad else None
+    for key, ids in (("eos_token_id", out["eos_token_id"]), ("pad_token_id", pad[:1])):
+        for t in ids:
+            if t >= vocab:
+                raise CheckpointError(f"{g.source}: {key} {t} is outside the vocabulary of size {vocab}")
+    return out
 
 
 def _diffusion_gemma_from(r: "_Fields", family: str) -> dict:

@@ -295,17 +295,30 @@ def test_decoder_mode_is_refused_for_other_families():
         model(ids, torch.arange(3)[None], torch.ones(1, 1, 3, 3, dtype=torch.bool), decoder=True)
 
 
-def test_decoding_is_refused_in_one_line_until_the_loop_supports_it(tmp_path):
-    """The model loads and runs, but the loop decodes masked diffusion only: `engine.generate` on a
-    DiffusionGemma checkpoint is one `error:` line and status 2, never a traceback from the loop."""
+def test_cli_decodes_a_diffusion_gemma_checkpoint(tmp_path):
+    """`python -m engine.generate` on a DiffusionGemma checkpoint decodes with eb (the uniform-noise
+    paradigm, engine/uniform.py) and prints the tokens the Python API returns for the same seed;
+    PSD on it is one `error:` line and status 2 (tests/test_uniform.py checks the tokens against
+    transformers' generate)."""
     import subprocess
     import sys
     from pathlib import Path
 
+    import engine
+    from models import Tokenizer, load_model
     from models.random_checkpoint import make_checkpoint
 
     path, _ = make_checkpoint(tmp_path / "dg", "diffusion_gemma", seed=1)
-    r = subprocess.run([sys.executable, "-m", "engine.generate", "t1 t2 t3", "--model", str(path)],
-                       cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "t1 t2 t3", "--model", str(path), "--seed", "4",
+                        "--gen-length", "16", "--max-denoising-steps", "3", "--json"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    ids = Tokenizer(path).encode("t1 t2 t3")
+    want = engine.generate(load_model(path), [ids], seed=4, gen_length=16, max_denoising_steps=3)[0]
+    assert out["token_ids"] == want.token_ids and out["method"] == "eb" and len(want.token_ids) >= 1
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "t1 t2 t3", "--model", str(path), "--method", "psd"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "no mask token" in r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "decodes with eb" in r.stderr
