@@ -29,6 +29,9 @@ class Server:
         if not self.model_dir.is_dir():
             raise CheckpointError(f"model directory {self.model_dir} does not exist or is not a directory")
         self.mc = ModelConfig.from_dir(self.model_dir)
+        if self.mc.mask_token_id is None:       # refused before the server listens, never per request
+            raise InputError(f"engine.serve does not serve a {self.mc.family} model yet (uniform-noise diffusion "
+                             f"decodes through engine.generate and the Python API; docs/algorithms.md §9)")
         self.tok = Tokenizer(self.model_dir)
         if args.chat_template is not None:
             self._set_chat_template(args.chat_template)
