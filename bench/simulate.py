@@ -280,6 +280,8 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
     mc_acc = model.config
     width = max(len(p) for p in prompts)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    setting = {"cache": cache, "batch": batch, "prompts": len(prompts), "gen_length": gen_length,
+               "block_length": block_length}
     rows, decoded = [], {}
     for name in cards:
         c = card(name)
@@ -300,43 +302,54 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
             if auto or key not in decoded:          # auto chooses per card: decoded again on every card
                 budget_cm = (_budget_cost(cost, cache, mc_acc, width, gen_length, block_length, batch,
                                           len(cfg.draft_graph())) if auto else None)
-                trace = CallTrace(model)
-                try:
-                    dec = Decoder(model, cfg, cost_model=budget_cm)
-                    results = []
-                    for b in batches:
-                        results += dec.generate(b)
-                        if bar is not None:
-                            bar.update(1)
-                finally:
-                    trace.remove()
-                got = (aggregate(results), trace.calls, dec.budget.chosen if dec.budget is not None else None)
+                got = _decode_recorded(model, cfg, budget_cm, batches, bar)
                 if not auto:
                     decoded[key] = got
             else:
                 got = decoded[key]
-            agg, calls, chosen = got
-            ms = project(calls, cost)
-            tps = agg["tokens"] / (ms / 1e3)
+            row = _projected_row(name, c, cfg, opts, got, cost, target, elem, profile, setting)
             if cfg.spec.graph is None and base_tps is None:
-                base_tps = tps
-            rows.append({
-                "card": name, "card_label": c.label, "hbm_gbps": c.hbm_gbps, "bf16_tflops": c.bf16_tflops,
-                "cost": "profile" if profile is not None else "roofline", "method": spec_label(cfg, opts),
-                "cache": cache, "batch": batch, "prompts": len(prompts), "gen_length": gen_length,
-                "block_length": block_length, "tokens": agg["tokens"], "calls": len(calls),
-                "rows_per_call": sum(x.rows for x in calls) / max(len(calls), 1), "tpf": agg["tpf"],
-                "projected_ms_per_call": ms / max(len(calls), 1), "projected_ms": ms,
-                "projected_tokens_per_s": tps,
-                "bandwidth_bound_share": (None if profile is not None else
-                                          sum(bandwidth_bound(target, x, c, elem) for x in calls) / max(len(calls), 1)),
-                "budget_nodes_median": statistics.median(chosen) if chosen else None,
-                "draft_nodes": json.dumps(agg["draft_nodes"]), "accepted_depth": json.dumps(agg["accepted_depth"]),
-            })
+                base_tps = row["projected_tokens_per_s"]
+            rows.append(row)
         for r in rows:
             if r["card"] == name:
                 r["vs_policy"] = r["projected_tokens_per_s"] / base_tps if base_tps else None
     return rows
+
+
+def _decode_recorded(model, cfg, budget_cm, batches, bar) -> tuple[dict, list[Call], list | None]:
+    """(aggregate of the results, every model call, the draft budgets chosen or None) of decoding
+    every batch with `cfg`; `bar` is told of every batch."""
+    trace = CallTrace(model)
+    try:
+        dec = Decoder(model, cfg, cost_model=budget_cm)
+        results = []
+        for b in batches:
+            results += dec.generate(b)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        trace.remove()
+    return aggregate(results), trace.calls, dec.budget.chosen if dec.budget is not None else None
+
+
+def _projected_row(name: str, c, cfg, opts, got, cost, target, elem: int, profile, setting: dict) -> dict:
+    """One method's row on one card: what was measured here and the projected time of its calls."""
+    agg, calls, chosen = got
+    ms = project(calls, cost)
+    tps = agg["tokens"] / (ms / 1e3)
+    return {
+        "card": name, "card_label": c.label, "hbm_gbps": c.hbm_gbps, "bf16_tflops": c.bf16_tflops,
+        "cost": "profile" if profile is not None else "roofline", "method": spec_label(cfg, opts),
+        **setting, "tokens": agg["tokens"], "calls": len(calls),
+        "rows_per_call": sum(x.rows for x in calls) / max(len(calls), 1), "tpf": agg["tpf"],
+        "projected_ms_per_call": ms / max(len(calls), 1), "projected_ms": ms,
+        "projected_tokens_per_s": tps,
+        "bandwidth_bound_share": (None if profile is not None else
+                                  sum(bandwidth_bound(target, x, c, elem) for x in calls) / max(len(calls), 1)),
+        "budget_nodes_median": statistics.median(chosen) if chosen else None,
+        "draft_nodes": json.dumps(agg["draft_nodes"]), "accepted_depth": json.dumps(agg["accepted_depth"]),
+    }
 
 
 def markdown(rows: list[dict], header: str) -> str:
@@ -358,22 +371,7 @@ def markdown(rows: list[dict], header: str) -> str:
 def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name: str) -> int:
     """The --simulate mode of bench.speed (args: its parsed command line)."""
     cards = list(dict.fromkeys(card_key(name) for name in args.simulate))
-    if args.cost_curve:
-        raise InputError("--simulate projects from a roofline or --cost-profile; it does not combine with --cost-curve")
-    if args.overhead_ms is not None and (not math.isfinite(args.overhead_ms) or args.overhead_ms < 0):
-        raise InputError(f"--call-overhead-ms must be finite and >= 0, got {args.overhead_ms}")
-    overhead = OVERHEAD_MS if args.overhead_ms is None else args.overhead_ms
-    if args.overhead_ms is not None and args.cost_profile:
-        raise InputError("--call-overhead-ms applies to the roofline, not to a measured --cost-profile")
-    eff = EFFICIENCY if args.kernel_efficiency is None else args.kernel_efficiency
-    if not (math.isfinite(eff) and 0 < eff <= 1):
-        raise InputError(f"--kernel-efficiency must be in (0, 1], got {eff}")
-    host = HOST_MS_PER_LAYER if args.host_ms_per_layer is None else args.host_ms_per_layer
-    if not (math.isfinite(host) and host >= 0):
-        raise InputError(f"--host-ms-per-layer must be finite and >= 0, got {host}")
-    if args.cost_profile and (args.kernel_efficiency is not None or args.host_ms_per_layer is not None):
-        raise InputError("--kernel-efficiency and --host-ms-per-layer apply to the roofline, not to a measured "
-                         "--cost-profile")
+    overhead, eff, host = _roofline_settings(args)
     specs = [parse_method(s) for s in (args.methods or DEFAULT_METHODS)]
     model_dir = Path(args.model or DEFAULT_MODEL_DIR)
     if not model_dir.is_dir():
@@ -382,15 +380,7 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     target, target_name = (shape_config(args.shape), args.shape) if args.shape else (mc_acc, str(model_dir))
     if args.cost_profile:
         read_profile(args.cost_profile)                  # checked before anything is decoded
-    tok = Tokenizer(model_dir)
-    n = (args.num_prompts or [8])[0]
-    prompts, source = checkpoint_prompts(args, tok, n)
-    prompts = fit_length(prompts, (args.prompt_length or [None])[0])
-    for gl in args.gen_length:
-        check_prompts(mc_acc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
-        for cache in args.cache:
-            for name, opts in specs:
-                method_config(name, opts, gen_length=gl, block_length=args.block_length, cache=cache)
+    prompts, source = _checked_prompts(args, Tokenizer(model_dir), mc_acc, specs)
     out = Path(args.out) if args.out else Path("runs") / f"simulate-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(model_dir, dtype=args.dtype, device=str(device))
@@ -416,16 +406,57 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
               f"({mc_acc.parameter_count() / 1e6:.1f}M parameters, {args.dtype}) on {dev_name}, gen length "
               f"{', '.join(map(str, args.gen_length))}, block {args.block_length} ({seconds:.0f} s). Its acceptance "
               f"is that model's, not the target's.\n\ncommand: `{command}`")
-    md = markdown(rows, header)
-    (out / "projection.md").write_text(md + "\n", encoding="utf-8")
-    stamp = {"projection": TITLE, "acceptance_device": dev_name, **stamp_versions, "command": command,
-             "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    write_rows(out / "projection.csv", rows, stamp)
     summary = {"bench": "speed", "mode": "simulate", "projection": TITLE, "out_dir": str(out), "cards":
                {k: asdict(CARDS[k]) for k in cards}, "cost": cost_text, "acceptance_model": str(model_dir),
                "acceptance_device": dev_name, **stamp_versions, "command": command,
                "markdown": str(out / "projection.md"), "csv": str(out / "projection.csv"),
                "json": str(out / "projection.json")}
+    return _write_projection(out, rows, header, summary, stamp_versions)
+
+
+def _roofline_settings(args) -> tuple[float, float, float]:
+    """(call overhead ms, kernel efficiency, host ms per layer) of the roofline, each checked; the
+    three apply to the roofline only, not to a measured --cost-profile."""
+    if args.cost_curve:
+        raise InputError("--simulate projects from a roofline or --cost-profile; it does not combine with --cost-curve")
+    if args.overhead_ms is not None and (not math.isfinite(args.overhead_ms) or args.overhead_ms < 0):
+        raise InputError(f"--call-overhead-ms must be finite and >= 0, got {args.overhead_ms}")
+    overhead = OVERHEAD_MS if args.overhead_ms is None else args.overhead_ms
+    if args.overhead_ms is not None and args.cost_profile:
+        raise InputError("--call-overhead-ms applies to the roofline, not to a measured --cost-profile")
+    eff = EFFICIENCY if args.kernel_efficiency is None else args.kernel_efficiency
+    if not (math.isfinite(eff) and 0 < eff <= 1):
+        raise InputError(f"--kernel-efficiency must be in (0, 1], got {eff}")
+    host = HOST_MS_PER_LAYER if args.host_ms_per_layer is None else args.host_ms_per_layer
+    if not (math.isfinite(host) and host >= 0):
+        raise InputError(f"--host-ms-per-layer must be finite and >= 0, got {host}")
+    if args.cost_profile and (args.kernel_efficiency is not None or args.host_ms_per_layer is not None):
+        raise InputError("--kernel-efficiency and --host-ms-per-layer apply to the roofline, not to a measured "
+                         "--cost-profile")
+    return overhead, eff, host
+
+
+def _checked_prompts(args, tok, mc_acc, specs) -> tuple[list, str]:
+    """(the checkpoint's first --num-prompts prompts fitted to --prompt-length, where they come
+    from); the prompts and every method spec checked at every gen length and cache mode."""
+    n = (args.num_prompts or [8])[0]
+    prompts, source = checkpoint_prompts(args, tok, n)
+    prompts = fit_length(prompts, (args.prompt_length or [None])[0])
+    for gl in args.gen_length:
+        check_prompts(mc_acc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
+        for cache in args.cache:
+            for name, opts in specs:
+                method_config(name, opts, gen_length=gl, block_length=args.block_length, cache=cache)
+    return prompts, source
+
+
+def _write_projection(out: Path, rows: list[dict], header: str, summary: dict, stamp_versions: dict) -> int:
+    """projection.md, .csv and .json under `out`; the table and one JSON line printed."""
+    md = markdown(rows, header)
+    (out / "projection.md").write_text(md + "\n", encoding="utf-8")
+    stamp = {"projection": TITLE, "acceptance_device": summary["acceptance_device"], **stamp_versions,
+             "command": summary["command"], "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    write_rows(out / "projection.csv", rows, stamp)
     (out / "projection.json").write_text(json.dumps({**summary, "rows": rows}, indent=1) + "\n", encoding="utf-8")
     print(md)
     print(json.dumps({**summary, "rows": [{k: r[k] for k in ("card", "method", "cache", "batch", "tokens", "calls",

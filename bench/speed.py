@@ -508,40 +508,15 @@ def _run(args, argv) -> int:
         return simulate.run(args, command, versions(), device, device_name(device))
     plan = [] if args.cost_curve else method_plan(args.methods or DEFAULT_METHODS)
     if not args.cost_curve:
-        for gl in args.gen_length:          # every option checked before any weight is read
-            for cache in args.cache:
-                for e in plan:
-                    method_config(e["name"], e["opts"], gen_length=gl, block_length=args.block_length, cache=cache)
+        _check_method_options(args, plan)
     bench_threads(args.threads)
     device = torch.device(resolve_device(args.device))
     dtype = DTYPES[args.dtype]
     random_weights = args.shape is not None
-    tok = None
-    if random_weights:
-        mc, model_name = shape_config(args.shape), args.shape
-        check_memory(mc, args.shape, dtype, device, _largest_tokens(args, plan))
-    else:
-        model_dir = Path(args.model or DEFAULT_MODEL_DIR)
-        if not model_dir.is_dir():
-            raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
-        mc, model_name = ModelConfig.from_dir(model_dir), str(model_dir)
-        tok = Tokenizer(model_dir)
-    prompt_lengths = args.prompt_length or ([64] if random_weights else [None])
-    nums = args.num_prompts or [max(8, b) if b < 8 else b for b in args.batch_sizes]
-    if len(nums) == 1:
-        nums = nums * len(args.batch_sizes)
+    mc, model_name, model_dir, tok = _model_source(args, dtype, device, plan)
     prompt_sets, source = {}, None
     if not args.cost_curve:
-        for b, n in zip(args.batch_sizes, nums):
-            for plen in prompt_lengths:
-                if random_weights:
-                    prompts, source = random_prompts(mc, n, plen, args.seed), "random tokens"
-                else:
-                    prompts, source = checkpoint_prompts(args, tok, n)
-                    prompts = fit_length(prompts, plen)
-                for gl in args.gen_length:
-                    check_prompts(mc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
-                prompt_sets[b, n, plen] = prompts
+        prompt_sets, source = _prompt_sets(args, mc, tok)
     out = Path(args.out) if args.out else default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
 
@@ -549,49 +524,109 @@ def _run(args, argv) -> int:
     model = build_random(mc, device, dtype, args.seed) if random_weights else load_model(model_dir, dtype=args.dtype,
                                                                                           device=str(device))
     load_s = time.perf_counter() - t_load
+    stamp, header, summary = _describe(args, model, model_name, device, command, out, load_s)
+    if random_weights:
+        print(f"note: {RANDOM_NOTE}", file=sys.stderr)
+    if args.cost_curve:
+        return _cost_curve_report(args, model, device, out, stamp, header, summary)
+    return _end_to_end_report(args, model, device, plan, prompt_sets, source, out, stamp, header, summary)
+
+
+def _check_method_options(args, plan) -> None:
+    """Every method's options at every gen length and cache mode, checked before any weight is read."""
+    for gl in args.gen_length:
+        for cache in args.cache:
+            for e in plan:
+                method_config(e["name"], e["opts"], gen_length=gl, block_length=args.block_length, cache=cache)
+
+
+def _model_source(args, dtype: torch.dtype, device: torch.device, plan):
+    """(model config, model name, checkpoint directory or None, tokenizer or None): a real shape's
+    config once its weights are known to fit (--shape), else the checkpoint's config and tokenizer."""
+    if args.shape is not None:
+        mc = shape_config(args.shape)
+        check_memory(mc, args.shape, dtype, device, _largest_tokens(args, plan))
+        return mc, args.shape, None, None
+    model_dir = Path(args.model or DEFAULT_MODEL_DIR)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
+    return ModelConfig.from_dir(model_dir), str(model_dir), model_dir, Tokenizer(model_dir)
+
+
+def _prompt_sets(args, mc: ModelConfig, tok):
+    """({(batch size, number of prompts, prompt length): prompts}, where the prompts come from): random tokens
+    for --shape, else the checkpoint's prompts fitted to each --prompt-length; every set checked
+    against every gen length."""
+    random_weights = args.shape is not None
+    prompt_lengths = args.prompt_length or ([64] if random_weights else [None])
+    nums = args.num_prompts or [max(8, b) if b < 8 else b for b in args.batch_sizes]
+    if len(nums) == 1:
+        nums = nums * len(args.batch_sizes)
+    prompt_sets, source = {}, None
+    for b, n in zip(args.batch_sizes, nums):
+        for plen in prompt_lengths:
+            if random_weights:
+                prompts, source = random_prompts(mc, n, plen, args.seed), "random tokens"
+            else:
+                prompts, source = checkpoint_prompts(args, tok, n)
+                prompts = fit_length(prompts, plen)
+            for gl in args.gen_length:
+                check_prompts(mc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
+            prompt_sets[b, n, plen] = prompts
+    return prompt_sets, source
+
+
+def _describe(args, model, model_name: str, device: torch.device, command: str, out: Path, load_s: float):
+    """(stamp on every CSV row, header line of the tables, summary JSON so far) of this run."""
+    random_weights = args.shape is not None
     dev_name = device_name(device)
     stamp = {"device": dev_name, **versions(), "dtype": args.dtype, "model": model_name,
              "random_weights": random_weights, "date": datetime.datetime.now().isoformat(timespec="seconds"),
              "command": command}
     header = (f"model={model_name} ({param_count(model) / 1e6:.1f}M parameters{', random weights' if random_weights else ''}) "
               f"dtype={args.dtype} device={dev_name} torch={stamp['torch']} triton={stamp['triton']}")
-    if random_weights:
-        print(f"note: {RANDOM_NOTE}", file=sys.stderr)
     summary = {"bench": "speed", "out_dir": str(out), "device": dev_name, **versions(), "dtype": args.dtype,
                "model": model_name, "random_weights": random_weights, "load_seconds": round(load_s, 2),
                "command": command}
+    return stamp, header, summary
 
-    if args.cost_curve:
-        reps = args.cost_reps or (20 if device.type == "cuda" else 5)
-        total = len(args.prefix) * len(args.batch_sizes) * len(args.rows)
-        with progress(total, "cost curve: points", args.quiet) as pbar:
-            curves = cost_curve(model, device, args.cost_cache, args.prefix, args.rows, args.batch_sizes,
-                                args.block_length, reps, 0 if args.no_warmup else 2, args.seed, pbar)
-        meta = {"device": dev_name, "model": model_name, "dtype": args.dtype, "cache": args.cost_cache,
-                "block_length": args.block_length}
-        profile = {"format": PROFILE_FORMAT, **versions(), "command": command, "reps": reps,
-                   "curves": [{**meta, **c} for c in curves]}
-        prof_path = Path(args.cost_profile_out) if args.cost_profile_out else out / "cost_profile.json"
-        prof_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            prof_path.write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
-        except OSError as e:                    # checked up front; a disk that filled up since is still one line
-            raise InputError(f"--cost-profile-out {prof_path}: cannot write ({e.strerror})") from None
-        flat = [{"prefix": c["prefix"], "batch": c["batch"], "rows": R, "block_length": args.block_length,
-                 "cache": args.cost_cache, "ms": ms, "ms_min": lo, "x1": ms / c["ms"][0]}
-                for c in curves for R, ms, lo in zip(c["rows"], c["ms"], c["ms_min"])]
-        write_rows(out / "cost_curve.csv", flat, stamp)
-        md = cost_markdown(curves, f"cost of one model call ({args.cost_cache} cache, block {args.block_length}, "
-                                   f"{reps} timed calls per point): {header}\n\ncommand: `{command}`")
-        (out / "cost_curve.md").write_text(md + "\n", encoding="utf-8")
-        print(md)
-        summary.update(mode="cost_curve", cost_profile=str(prof_path), csv=str(out / "cost_curve.csv"),
-                       markdown=str(out / "cost_curve.md"),
-                       curves=[{"prefix": c["prefix"], "batch": c["batch"], "rows": c["rows"],
-                                "ms": [round(v, 4) for v in c["ms"]]} for c in curves])
-        print(json.dumps(summary))
-        return 0
 
+def _cost_curve_report(args, model, device: torch.device, out: Path, stamp: dict, header: str, summary: dict) -> int:
+    """--cost-curve: time one call per point, write the cost profile, CSV and Markdown, print the summary."""
+    command = stamp["command"]
+    reps = args.cost_reps or (20 if device.type == "cuda" else 5)
+    total = len(args.prefix) * len(args.batch_sizes) * len(args.rows)
+    with progress(total, "cost curve: points", args.quiet) as pbar:
+        curves = cost_curve(model, device, args.cost_cache, args.prefix, args.rows, args.batch_sizes,
+                            args.block_length, reps, 0 if args.no_warmup else 2, args.seed, pbar)
+    meta = {"device": stamp["device"], "model": stamp["model"], "dtype": args.dtype, "cache": args.cost_cache,
+            "block_length": args.block_length}
+    profile = {"format": PROFILE_FORMAT, **versions(), "command": command, "reps": reps,
+               "curves": [{**meta, **c} for c in curves]}
+    prof_path = Path(args.cost_profile_out) if args.cost_profile_out else out / "cost_profile.json"
+    prof_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        prof_path.write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
+    except OSError as e:                    # checked up front; a disk that filled up since is still one line
+        raise InputError(f"--cost-profile-out {prof_path}: cannot write ({e.strerror})") from None
+    flat = [{"prefix": c["prefix"], "batch": c["batch"], "rows": R, "block_length": args.block_length,
+             "cache": args.cost_cache, "ms": ms, "ms_min": lo, "x1": ms / c["ms"][0]}
+            for c in curves for R, ms, lo in zip(c["rows"], c["ms"], c["ms_min"])]
+    write_rows(out / "cost_curve.csv", flat, stamp)
+    md = cost_markdown(curves, f"cost of one model call ({args.cost_cache} cache, block {args.block_length}, "
+                               f"{reps} timed calls per point): {header}\n\ncommand: `{command}`")
+    (out / "cost_curve.md").write_text(md + "\n", encoding="utf-8")
+    print(md)
+    summary.update(mode="cost_curve", cost_profile=str(prof_path), csv=str(out / "cost_curve.csv"),
+                   markdown=str(out / "cost_curve.md"),
+                   curves=[{"prefix": c["prefix"], "batch": c["batch"], "rows": c["rows"],
+                            "ms": [round(v, 4) for v in c["ms"]]} for c in curves])
+    print(json.dumps(summary))
+    return 0
+
+
+def _measure_all(args, model, device: torch.device, plan, prompt_sets) -> list[dict]:
+    """One row per method and configuration (gen length x prompt set x cache mode), calls counted."""
     counter = CallCounter(model)
     rows = []
     total = len(prompt_sets) * len(args.gen_length) * len(args.cache) * args.repeats * len(plan)
@@ -602,6 +637,15 @@ def _run(args, argv) -> int:
                     rows += measure_config(model, counter, device, plan, prompts, b, cache, gl, args.block_length,
                                            args.repeats, not args.no_warmup, pbar)
     counter.remove()
+    return rows
+
+
+def _end_to_end_report(args, model, device: torch.device, plan, prompt_sets, source, out: Path, stamp: dict,
+                       header: str, summary: dict) -> int:
+    """Decode every configuration with every method, write CSV, Markdown and JSON, print the summary."""
+    command = stamp["command"]
+    random_weights = args.shape is not None
+    rows = _measure_all(args, model, device, plan, prompt_sets)
     if random_weights:          # no tokens/s claim from random weights: what acceptance gives is meaningless
         for r in rows:
             r.update({k: None for k in ("tokens_per_s", "tpf", "draft_token_share", "vs_greedy_min",
@@ -624,7 +668,6 @@ def _run(args, argv) -> int:
         summary["note"] = RANDOM_NOTE
     print(json.dumps(summary))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
