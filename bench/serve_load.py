@@ -184,7 +184,7 @@ def loadavg() -> str:
         return "?"
 
 
-def main(argv=None) -> int:
+def build_parser():
     from engine.frontend import Parser, add_threads_flag
 
     p = Parser(prog="python -m bench.serve_load", description=__doc__.split("\n")[0])
@@ -207,7 +207,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat each level, alternating which mode goes first; figures pool the rounds")
     p.add_argument("--out", help="also write the results as JSON lines here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         extra = json.loads(args.options)
         assert isinstance(extra, dict)
@@ -222,76 +226,113 @@ def main(argv=None) -> int:
 
     procs, servers = [], []
     try:
-        if args.url:
-            servers.append(("server", args.url.rstrip("/"), None))
-        else:
-            flags = shlex.split(args.server_args) + ([] if args.threads is None else ["--threads", str(args.threads)])
-            mode_flags = {"continuous": ["--max-batch", str(args.max_batch)],
-                          "static": ["--max-batch", str(args.max_batch), "--batching", "static"],
-                          "serial": ["--max-batch", "1"]}
-            for mode in dict.fromkeys(args.modes):
-                log = Path(f"/tmp/serve_load_{mode}_{os.getpid()}.log")
-                proc, url = start_server(args.model, flags + mode_flags[mode] + ["--max-queue", "1024"], log)
-                procs.append(proc)
-                servers.append((mode, url, proc))
+        servers = start_servers(args, procs)
         for mode, url, proc in servers:
             wait_ready(url, proc)
         name = args.model_name or httpx.get(servers[0][1] + "/v1/models", timeout=10).json()["data"][0]["id"]
         texts = prompts(64)
         for mode, url, _ in servers:       # warm-up: one request each, not measured
             run_level(url, name, 1, 1, args.max_tokens, extra, args.time_limit, texts)
-        print(f"# {' '.join(['python -m bench.serve_load'] + (argv if argv is not None else sys.argv[1:]))}")
-        print(f"# hardware: {hardware()}; load average at start {loadavg()}")
-        print(f"# servers: {args.server_args} (modes {' '.join(args.modes)}; --max-batch {args.max_batch} but serial); "
-              f"max_tokens {args.max_tokens}; options {json.dumps(extra)}")
-        print("| mode | concurrency | requests | errors | seconds | req/s | tokens/s | p50 latency s | p95 latency s "
-              "| p99 latency s | p50 TTFT s | p95 TTFT s | mean batch | model calls / request | server CPU s / request "
-              "| mean tokens |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        rows = []
-        for c in args.levels:
-            n = args.requests or max(8, 2 * c)
-            pooled = {mode: ([], 0.0, 0, 0.0) for mode, _, _ in servers}
-            for rnd in range(args.rounds):
-                for mode, url, proc in (servers if rnd % 2 == 0 else servers[::-1]):
-                    out, wall, calls, cpu = run_level(url, name, c, n, args.max_tokens, extra, args.time_limit, texts,
-                                                      proc.pid if proc is not None else None)
-                    o, w, k, u = pooled[mode]
-                    pooled[mode] = (o + out, w + wall, k + calls, u + cpu)
-            for mode, _, _ in servers:
-                r = {"mode": mode, "rounds": args.rounds, **summarize(c, *pooled[mode])}
-                rows.append(r)
-                print(f"| {mode} | {c} | {r['requests']} | {r['errors']} | {r['seconds']} | {r['req_per_s']} | "
-                      f"{r['tok_per_s']} | {r['p50_latency']} | {r['p95_latency']} | {r['p99_latency']} | "
-                      f"{r['p50_ttft']} | {r['p95_ttft']} | {r['mean_batch']} | {r['calls_per_request']} | "
-                      f"{r['server_cpu_s_per_request']} | {r['mean_tokens']} |",
-                      flush=True)
-                if r["errors"]:
-                    print(f"#   first error: {r['error_sample']}", flush=True)
+        print_header(args, argv, extra)
+        rows = measure(args, servers, name, extra, texts)
         print(f"# load average at end {loadavg()}")
         if len(servers) >= 2:              # batch invariance under load: the same prompt, the same answer
-            seen, differ = {}, 0
-            for r in rows:
-                for i, text in r["answers"].items():
-                    differ += seen.setdefault(i, text) != text
-            print(f"# answers per prompt identical across modes and levels: {differ == 0} "
-                  f"({len(seen)} prompts, {differ} differing answers)")
+            print_invariance(rows)
         if args.out:
-            with open(args.out, "w") as f:
-                for r in rows:
-                    r = {k: v for k, v in r.items() if k != "answers"}
-                    f.write(json.dumps({**r, "hardware": hardware(), "server_args": args.server_args,
-                                        "max_tokens": args.max_tokens, "options": extra}) + "\n")
+            write_results(args.out, rows, args, extra)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(procs)
     return 0
 
+
+def start_servers(args, procs: list) -> list[tuple[str, str, subprocess.Popen | None]]:
+    """(mode, url, process) of the server to measure: --url, else one started per --modes (each
+    process appended to `procs` as soon as it starts, for the caller to stop)."""
+    if args.url:
+        return [("server", args.url.rstrip("/"), None)]
+    servers = []
+    flags = shlex.split(args.server_args) + ([] if args.threads is None else ["--threads", str(args.threads)])
+    mode_flags = {"continuous": ["--max-batch", str(args.max_batch)],
+                  "static": ["--max-batch", str(args.max_batch), "--batching", "static"],
+                  "serial": ["--max-batch", "1"]}
+    for mode in dict.fromkeys(args.modes):
+        log = Path(f"/tmp/serve_load_{mode}_{os.getpid()}.log")
+        proc, url = start_server(args.model, flags + mode_flags[mode] + ["--max-queue", "1024"], log)
+        procs.append(proc)
+        servers.append((mode, url, proc))
+    return servers
+
+
+def stop_servers(procs: list) -> None:
+    """Terminate the started servers; kill one that has not exited after 15 s."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def print_header(args, argv, extra: dict) -> None:
+    """The command, the machine, the servers' settings and the table's header."""
+    print(f"# {' '.join(['python -m bench.serve_load'] + (argv if argv is not None else sys.argv[1:]))}")
+    print(f"# hardware: {hardware()}; load average at start {loadavg()}")
+    print(f"# servers: {args.server_args} (modes {' '.join(args.modes)}; --max-batch {args.max_batch} but serial); "
+          f"max_tokens {args.max_tokens}; options {json.dumps(extra)}")
+    print("| mode | concurrency | requests | errors | seconds | req/s | tokens/s | p50 latency s | p95 latency s "
+          "| p99 latency s | p50 TTFT s | p95 TTFT s | mean batch | model calls / request | server CPU s / request "
+          "| mean tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def measure(args, servers, name: str, extra: dict, texts: list[str]) -> list[dict]:
+    """Every concurrency level on every server, --rounds times (alternating which mode goes first),
+    the rounds pooled; one table row printed per mode and level as it completes."""
+    rows = []
+    for c in args.levels:
+        n = args.requests or max(8, 2 * c)
+        pooled = {mode: ([], 0.0, 0, 0.0) for mode, _, _ in servers}
+        for rnd in range(args.rounds):
+            for mode, url, proc in (servers if rnd % 2 == 0 else servers[::-1]):
+                out, wall, calls, cpu = run_level(url, name, c, n, args.max_tokens, extra, args.time_limit, texts,
+                                                  proc.pid if proc is not None else None)
+                o, w, k, u = pooled[mode]
+                pooled[mode] = (o + out, w + wall, k + calls, u + cpu)
+        for mode, _, _ in servers:
+            r = {"mode": mode, "rounds": args.rounds, **summarize(c, *pooled[mode])}
+            rows.append(r)
+            print_row(mode, c, r)
+    return rows
+
+
+def print_row(mode: str, c: int, r: dict) -> None:
+    print(f"| {mode} | {c} | {r['requests']} | {r['errors']} | {r['seconds']} | {r['req_per_s']} | "
+          f"{r['tok_per_s']} | {r['p50_latency']} | {r['p95_latency']} | {r['p99_latency']} | "
+          f"{r['p50_ttft']} | {r['p95_ttft']} | {r['mean_batch']} | {r['calls_per_request']} | "
+          f"{r['server_cpu_s_per_request']} | {r['mean_tokens']} |",
+          flush=True)
+    if r["errors"]:
+        print(f"#   first error: {r['error_sample']}", flush=True)
+
+
+def print_invariance(rows: list[dict]) -> None:
+    """Whether every prompt got the same answer in every mode and at every level."""
+    seen, differ = {}, 0
+    for r in rows:
+        for i, text in r["answers"].items():
+            differ += seen.setdefault(i, text) != text
+    print(f"# answers per prompt identical across modes and levels: {differ == 0} "
+          f"({len(seen)} prompts, {differ} differing answers)")
+
+
+def write_results(path: str, rows: list[dict], args, extra: dict) -> None:
+    """The rows as JSON lines (answers left out), with the machine and the request settings."""
+    with open(path, "w") as f:
+        for r in rows:
+            r = {k: v for k, v in r.items() if k != "answers"}
+            f.write(json.dumps({**r, "hardware": hardware(), "server_args": args.server_args,
+                                "max_tokens": args.max_tokens, "options": extra}) + "\n")
 
 if __name__ == "__main__":
     sys.exit(main())
