@@ -1,9 +1,9 @@
 """Continuous batching: sequences join a running batch at block boundaries and leave it when they
 are done or cancelled (docs/loop.md, "Continuous batching").
 
-The decoding loop is the one loop (`Decoder._decode`); between two blocks it hands the batch to
-`LiveBatch._between`, which takes out the rows that finished or were cancelled, and lets waiting
-sequences in. A sequence is answered by the step that commits its last tokens (stage 1 on its
+A `LiveBatch` is a short loop over `Decoder.step` (one model call each) on one running batch
+(`Decoder.start`); at each block boundary (`step` returns False) it lets the rows that finished or
+were cancelled leave (`Decoder.leave`) and waiting sequences join (`Decoder.join`). A sequence is answered by the step that commits its last tokens (stage 1 on its
 last call's output, at the start of the next step), not at the block boundary; a cancelled one
 takes no model call after `cancel` (its row stays, idle, until the boundary). Rows keep their own block index: the batch is laid out
 so that every row's next block starts at one column, the batch's cursor (a joining sequence's
@@ -28,12 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models import position_ids
-
 from .config import check_prompts
 from .errors import InputError
 from .results import SequenceResult, collect_results, final_pieces
-from .state import Batch, join
+from .state import Batch
 from .uniform import check_batchable
 
 
@@ -64,8 +62,7 @@ class LiveBatch:
         self.cancelled: set[int] = set()
         self.answered: set[int] = set()                          # reported done before their row left
         self._ids = itertools.count()
-        self._loop = None
-        self._open = None                                        # (batch, open block) of the last step
+        self.state = None                                        # the running batch (Decoder.start), or None
         self._ended: LiveUpdate = LiveUpdate()                   # what the last block boundary ended
 
     # ------------------------------------------------------------------ the caller's side
@@ -88,9 +85,8 @@ class LiveBatch:
             self.waiting = [w for w in self.waiting if w[0] != handle]
         elif handle in self.handles:
             self.cancelled.add(handle)
-            if self._open is not None:                   # out of the open block's next calls
-                run = self._open[1]
-                run.retire(run.seqs == self.handles.index(handle))
+            if self.state is not None and self.state.run is not None:     # out of the open block's next calls
+                self.dec.leave(self.state, [self.handles.index(handle)])
 
     @property
     def running(self) -> int:
@@ -102,20 +98,21 @@ class LiveBatch:
 
     @torch.no_grad()
     def step(self) -> LiveUpdate | None:
-        """Run the loop up to its next model call and report what became final; None when there
+        """Run the batch up to its next model call and report what became final; None when there
         is nothing to decode (no running and no waiting sequence)."""
-        if self._loop is None:
-            if not self.waiting:
-                return None
-            self._loop = self.dec._decode(None, between=self._between)
-        try:
-            batch, run = next(self._loop)
-        except StopIteration:
-            self._loop = None
-            update, self._ended = self._ended, LiveUpdate()
-            return update
+        if self.state is None and not self.waiting:
+            return None
+        while True:
+            if self.state is None or self.state.at_boundary:     # rows leave and join between two blocks
+                self._between()
+                if self.state is None or self.state.batch.cursor >= self.state.batch.end:
+                    self.state = None
+                    update, self._ended = self._ended, LiveUpdate()
+                    return update
+            if self.dec.step(self.state):
+                break
+        batch, run = self.state.batch, self.state.run
         update, self._ended = self._ended, LiveUpdate()
-        self._open = (batch, run)
         update.rows = len(self.handles)
         sent = [self.sent[h] for h in self.handles]
         pieces, probs, tops, ended = final_pieces(batch, run, self.dec.mc.mask_token_id, sent)
@@ -156,45 +153,45 @@ class LiveBatch:
         self.sent[h] = len(res.token_ids)
         update.done[h] = res
 
-    # ------------------------------------------------------------------ the loop's side
-    def _between(self, batch: Batch | None) -> Batch | None:
+    # ------------------------------------------------------------------ between two blocks
+    def _between(self) -> None:
         """At a block boundary: finished and cancelled rows leave, waiting sequences join."""
         now = time.perf_counter()
-        if batch is not None and self.handles:
-            batch = self._leave(batch, now)
+        if self.state is not None and self.handles:
+            self._leave(now)
         room = len(self.waiting) if self.max_rows is None else self.max_rows - len(self.handles)
         if room > 0 and self.waiting:
             joining, self.waiting = self.waiting[:room], self.waiting[room:]
-            new = self.dec._new_batch([p for _, p, _ in joining], [g for _, _, g in joining])
-            pos = lambda valid: position_ids(self.dec.mc, valid)     # noqa: E731
-            batch = new if batch is None else join(batch, new, pos).trimmed(pos)
+            prompts, lengths = [p for _, p, _ in joining], [g for _, _, g in joining]
+            if self.state is None:
+                self.state = self.dec.start(prompts, lengths, live=True)
+            else:
+                self.dec.join(self.state, prompts, lengths)
             for h, _, _ in joining:
                 self.handles.append(h)
                 self.sent[h], self.joined[h] = 0, now
-        return batch if self.handles else None
+        if not self.handles:
+            self.state = None
 
-    def _leave(self, batch: Batch, now: float) -> Batch | None:
+    def _leave(self, now: float) -> None:
         """Collect the rows that are done (a stop token, or no block left) and drop those and the
-        cancelled ones; returns the remaining rows, trimmed, or None."""
-        self._open = None
+        cancelled ones."""
+        batch = self.state.batch
         done = ((batch.stop_at >= 0) | (batch.gen_start + batch.gen_len <= batch.cursor)).tolist()
         gone = self.cancelled | self.answered                    # leave without a result (now)
         out = [b for b, h in enumerate(self.handles) if done[b] or h in gone]
         if not out:
-            return batch
+            return
         finished = [b for b in out if self.handles[b] not in gone]
         if finished:          # rows that ended in no call of theirs (e.g. a block ETE had filled)
             secs = [now - self.joined[self.handles[b]] for b in finished]
-            for b, res in zip(finished, collect_results(batch, self.dec.dc.block_length, secs, rows=finished)):
+            for b, res in zip(finished, self.dec.results(self.state, finished, secs)):
                 self._report(self.handles[b], res, self._ended)
-        keep = [b for b in range(len(self.handles)) if b not in set(out)]
         for b in out:
             h = self.handles[b]
             self.sent.pop(h, None), self.joined.pop(h, None)
             self.cancelled.discard(h), self.answered.discard(h)
-        self.handles = [self.handles[b] for b in keep]
-        if not keep:
-            return None
-        pos = lambda valid: position_ids(self.dec.mc, valid)     # noqa: E731
-        return batch.take(torch.tensor(keep, device=batch.x.device)).trimmed(pos)
-
+        self.handles = [h for b, h in enumerate(self.handles) if b not in set(out)]
+        self.dec.leave(self.state, out)
+        if self.state.batch is None:
+            self.state = None

@@ -24,7 +24,7 @@ import time
 import torch
 
 import psd_kernels
-from models import Transformer
+from models import Transformer, position_ids
 
 from .ahead import carry_over, draft_across, first_output, keep_ahead
 from .budget import DraftBudget
@@ -37,7 +37,7 @@ from .progress import apply_stopping, generated, guard_progress, raise_failure, 
 from .policies import policy_key, policy_select, rank_of
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
 from .sampling import Sampler
-from .state import Batch, BlockRun, new_batch, state_of
+from .state import Batch, BatchState, BlockRun, join, new_batch, state_of
 from .uniform import UniformNoise, for_model
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
@@ -100,6 +100,8 @@ class Decoder:
         width = min(self.dc.window_blocks * L, N - lo)                     # the block, or ETE's blocks
         win = Window(P, L, lo, width, L if self.dc.cross_block and lo + width < N else 0)
         todo = (batch.stop_at < 0) & (batch.x[:, lo:lo + L] == self.mc.mask_token_id).any(-1)
+        if batch.retired is not None:
+            todo &= ~batch.retired
         seqs = todo.nonzero()[:, 0]                                        # one sync per block
         if seqs.numel() == 0:
             return None
@@ -284,45 +286,89 @@ class Decoder:
         if K > 1:      # a kept draft changed s: apply the stopping rule again (§3)
             apply_stopping(run, self.stop_ids, self.mc.mask_token_id, act)
 
-    # ------------------------------------------------------------------ the loop
-    def _decode(self, batch: Batch, between=None):
-        """Runs the loop over `batch`, yielding (batch, the open block) after every model call.
-        `between(batch) -> batch or None`, if given, is called at every block boundary, before the
-        block at the cursor opens: it may let finished rows leave and new rows join (engine.live,
-        continuous batching; the batch it returns keeps every row's block aligned to the cursor),
-        or end the loop (None)."""
-        while True:
-            if between is not None:
-                batch = between(batch)
-                if batch is None:
-                    return
-            if batch.cursor >= batch.end:
-                return
-            run = self._open_block(batch)
-            if run is None:
-                batch.cursor += self.dc.block_length
-                if between is None and not (batch.stop_at < 0).any():
-                    return
-                continue
-            index = run.index
-            yield batch, run
-            while True:
-                masked = self._commit(run)
-                act = run.pending.nonzero()[:, 0]                # one small read-back per step
-                if act.numel() == 0:
+    # ------------------------------------------------------------------ the step
+    def start(self, prompts, gen_lengths: list[int] | None = None, live: bool = False) -> BatchState:
+        """A running batch of `prompts` (token-id lists; `gen_lengths`: one per prompt, default the
+        config's), each checked; nothing is decoded until `step`. `live`: rows may join later
+        (`join`; continuous batching, engine.live)."""
+        lengths = gen_lengths or [self.dc.gen_length] * len(prompts)
+        checked = [check_prompts(self.mc, self.dc, [p], gen_length=g)[0] for p, g in zip(prompts, lengths)] \
+            if gen_lengths else self.check_prompts(prompts)
+        return BatchState(self._new_batch(checked, gen_lengths), live=live, t0=time.perf_counter())
+
+    def step(self, state: BatchState) -> bool:
+        """Advance `state` to its next model call and make it: the first call of the block at the
+        batch's cursor, or one step of the open block (stage 1 on the latest output, stage 2, the one
+        verification call, stage 3). True if a call was made; False at a block boundary (the open
+        block had no step left and is closed, or a live batch has no row in the block at its cursor:
+        rows may join and leave now) and when nothing is left (`state.done`, never set on a live
+        batch: its caller decides when it ends)."""
+        batch, L = state.batch, self.dc.block_length
+        run = state.run
+        if run is None:
+            while batch.cursor < batch.end:
+                run = self._open_block(batch)
+                if run is not None:
+                    state.run = run
+                    return True
+                batch.cursor += L
+                if state.live:
+                    return False
+                if not (batch.stop_at < 0).any():
                     break
-                if self.trace is not None and self.uniform is None:
-                    key = self._draft_key(run.conf[act], masked[act], run.step[act],
-                                          state_of(run, act, slice(0, run.win.width)))
-                    self.trace(run.seqs[act], index, run.step[act] - 1, rank_of(key.float(), masked[act]),
-                               run.pred[act])
-                if self.uniform is not None:          # the next step's call (no drafts: docs/algorithms.md §9)
-                    self.uniform.call(run, act)
-                else:
-                    self._verify(run, act, *self._draft(run, act, masked))
-                yield batch, run
+            state.done = not state.live
+            return False
+        masked = self._commit(run)
+        act = run.pending.nonzero()[:, 0]                # one small read-back per step
+        if act.numel() == 0:
             self._close_block(batch, run)
-            batch.cursor += self.dc.block_length
+            batch.cursor += L
+            state.run = None
+            return False
+        if self.trace is not None and self.uniform is None:
+            key = self._draft_key(run.conf[act], masked[act], run.step[act],
+                                  state_of(run, act, slice(0, run.win.width)))
+            self.trace(run.seqs[act], run.index, run.step[act] - 1, rank_of(key.float(), masked[act]), run.pred[act])
+        if self.uniform is not None:          # the next step's call (no drafts: docs/algorithms.md §9)
+            self.uniform.call(run, act)
+        else:
+            self._verify(run, act, *self._draft(run, act, masked))
+        return True
+
+    def join(self, state: BatchState, prompts, gen_lengths: list[int]) -> None:
+        """Rows join `state` at a block boundary: each new row's first block opens at the batch's
+        cursor with the others' next one (`engine.state.join` pads whichever side is shorter)."""
+        if state.run is not None:
+            raise InputError("rows join a running batch at a block boundary (state.run is open)")
+        new = self.start(prompts, gen_lengths).batch
+        pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
+        state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos)
+
+    def leave(self, state: BatchState, rows: list[int]) -> None:
+        """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep
+        their order, the canvas is trimmed; no row left: `state.batch` is None); in an open block
+        they take no further call, in this block or any later one (a caller may drop them at the next
+        boundary; their results stay what was settled)."""
+        if not rows:
+            return
+        if state.run is not None:
+            gone = torch.tensor(rows, device=state.run.seqs.device)
+            state.run.retire(torch.isin(state.run.seqs, gone))
+            b = state.batch
+            b.retired = torch.zeros_like(b.stop_at, dtype=torch.bool) if b.retired is None else b.retired
+            b.retired[gone] = True                       # and no later block's calls
+            return
+        keep = [b for b in range(state.batch.x.shape[0]) if b not in set(rows)]
+        if not keep:
+            state.batch = None
+            return
+        pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
+        state.batch = state.batch.take(torch.tensor(keep, device=state.batch.x.device)).trimmed(pos)
+
+    def results(self, state: BatchState, rows=None, seconds=None) -> list[SequenceResult]:
+        """The `SequenceResult`s of the batch's rows (all, or `rows`), from what is settled."""
+        secs = time.perf_counter() - state.t0 if seconds is None else seconds
+        return collect_results(state.batch, self.dc.block_length, secs, rows=rows)
 
     def stream(self, prompts):
         """Decode like `generate`, yielding a `StreamUpdate` after every model call: per sequence,
@@ -332,27 +378,24 @@ class Decoder:
         of a sequence concatenate to exactly its `token_ids` (their `probs` to its `commit_prob`, their
         `tops` to its `commit_top`).
         Reads back [B] values per call."""
-        prompts = self.check_prompts(prompts)
-        t0 = time.perf_counter()
-        batch = self._new_batch(prompts)
-        sent = [0] * len(prompts)
+        state = self.start(prompts)
+        sent = [0] * state.batch.x.shape[0]
         with torch.no_grad():
-            for _, run in self._decode(batch):
-                pieces, probs, tops, _ = final_pieces(batch, run, self.mc.mask_token_id, sent)
-                yield StreamUpdate(pieces, probs=probs, tops=tops)
-        results = collect_results(batch, self.dc.block_length, time.perf_counter() - t0)
+            while not state.done:
+                if self.step(state):
+                    pieces, probs, tops, _ = final_pieces(state.batch, state.run, self.mc.mask_token_id, sent)
+                    yield StreamUpdate(pieces, probs=probs, tops=tops)
+        results = self.results(state)
         pieces = [r.token_ids[n:] for r, n in zip(results, sent)]
         yield StreamUpdate(pieces, results, [r.commit_prob[n:] for r, n in zip(results, sent)],
                            [None if r.commit_top is None else r.commit_top[n:] for r, n in zip(results, sent)])
 
     @torch.no_grad()
     def generate(self, prompts) -> list[SequenceResult]:
-        prompts = self.check_prompts(prompts)
-        t0 = time.perf_counter()
-        batch = self._new_batch(prompts)
-        for _ in self._decode(batch):
-            pass
-        return collect_results(batch, self.dc.block_length, time.perf_counter() - t0)
+        state = self.start(prompts)
+        while not state.done:
+            self.step(state)
+        return self.results(state)
 
 
 def generate(model: Transformer, prompts, config: DecodeConfig | None = None, **options) -> list[SequenceResult]:

@@ -48,6 +48,8 @@ class Batch:
                                              # that committed it (ids exact in float64), most likely first
     out_len: torch.Tensor | None = None      # [B] generated positions a result keeps (None: gen_len); fewer
                                              # with --align sequence, whose last block runs past gen length
+    retired: torch.Tensor | None = None      # [B] bool: the row left the batch inside a block (Decoder.leave):
+                                             # it takes no further call (None: no row did)
     memory: object = None                    # uniform-noise models (engine/uniform.py): (the encoder's KVCache of
                                              # the columns before the cursor, how many columns it holds)
 
@@ -63,7 +65,7 @@ class Batch:
                 ("commit_source", 0), ("commit_prob", 0.0), ("commit_top", 0.0))
 
     def _rows(self):
-        return ("gen_start", "gen_len", "out_len", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
+        return ("gen_start", "gen_len", "out_len", "retired", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
                 "carry_conf", "carry_ok", "carry_step")
 
     def take(self, rows: torch.Tensor) -> "Batch":
@@ -111,6 +113,9 @@ def join(a: Batch, b: Batch, position_ids) -> Batch:
     da, db = max(0, b.cursor - a.cursor), max(0, a.cursor - b.cursor)
     na, nb = a.x.shape[1] + da, b.x.shape[1] + db
     a, b = a.shift(da, max(0, nb - na), position_ids), b.shift(db, max(0, na - nb), position_ids)
+    if (a.retired is None) != (b.retired is None):         # one side had a row leave inside a block
+        a.retired, b.retired = (torch.zeros_like(v.stop_at, dtype=torch.bool) if v.retired is None else v.retired
+                                for v in (a, b))
     kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}
     for name in a._rows() + tuple(n for n, _ in a._columns()) + ("pos",):
         va, vb = getattr(a, name), getattr(b, name)
@@ -167,6 +172,25 @@ class BlockRun:
         """These rows (indices into the run) take no further call on this block: they commit nothing
         more and every later call leaves them out (a cancelled sequence, engine.live)."""
         self.pending[rows] = False
+
+
+@dataclass
+class BatchState:
+    """A running batch between two model calls (`Decoder.start`, `Decoder.step`): every row's canvas
+    and per-token record (`batch`) and the rows of the open block (`run`; None at a block boundary,
+    where rows may join, `Decoder.join`, and leave, `Decoder.leave`). A row may also leave the open
+    block between any two steps (`Decoder.leave` retires it: no later call includes it)."""
+
+    batch: Batch | None
+    run: BlockRun | None = None
+    live: bool = False           # rows may join later (continuous batching): `step` stops at every block
+                                 # boundary, even one with no row to decode, and never ends the batch itself
+    done: bool = False           # nothing left to decode (set by `step` when not live)
+    t0: float = 0.0              # when the batch started (perf_counter), for results' seconds
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.run is None
 
 
 def state_of(run: BlockRun, rows=slice(None), span=slice(None)) -> PolicyState | None:

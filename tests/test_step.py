@@ -1,0 +1,103 @@
+"""`Decoder.step`: one model call per step on one running batch (`Decoder.start`), rows joining at a
+block boundary (`Decoder.join`) and leaving at a boundary or, retired, inside an open block
+(`Decoder.leave`); `generate`, `stream` and `LiveBatch` are loops over it (docs/loop.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import DecodeConfig, Decoder, InputError
+from models import ModelConfig, init_random
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62)
+    return init_random(cfg, seed=5, std=0.5).double()
+
+
+def _counting(model):
+    """The model, wrapped to count its calls (forward passes)."""
+    calls = []
+    forward = model.forward
+
+    def counted(*a, **k):
+        calls.append(a[0].shape[0])
+        return forward(*a, **k)
+
+    model.forward = counted
+    return calls, lambda: setattr(model, "forward", forward)
+
+
+@pytest.mark.parametrize("options", [dict(method="confidence"), dict(method="psd", depth=3, cache="dual"),
+                                     dict(method="ete", cache="prefix")], ids=str)
+def test_a_loop_over_step_is_generate_and_each_true_step_is_one_call(model, options):
+    dec = Decoder(model, DecodeConfig(gen_length=24, block_length=8, **options))
+    want = dec.generate(PROMPTS)
+    calls, restore = _counting(model)
+    try:
+        state, made, boundaries = dec.start(PROMPTS), 0, 0
+        while not state.done:
+            before = len(calls)
+            if dec.step(state):
+                made += 1
+                assert len(calls) - before == 1          # exactly one model call
+            else:
+                boundaries += 1
+                assert len(calls) == before and state.at_boundary
+    finally:
+        restore()
+    got = dec.results(state)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.calls for r in got] == [r.calls for r in want] and made == len(calls)
+    assert boundaries >= 3 - 1                           # every closed block but (maybe) an early end
+
+
+def test_rows_join_at_a_boundary_and_decode_as_alone(model):
+    dec = Decoder(model, DecodeConfig(method="confidence", gen_length=16, block_length=8))
+    state = dec.start(PROMPTS[:1], [16], live=True)
+    while dec.step(state):                               # the first block of the first row
+        pass
+    with pytest.raises(InputError, match="block boundary"):
+        dec.step(state) and dec.join(state, [PROMPTS[1]], [16])   # a block is open again
+    while dec.step(state):
+        pass
+    dec.join(state, [PROMPTS[1]], [16])                  # at the boundary after the first row's second block
+    while state.batch.cursor < state.batch.end:
+        dec.step(state)
+    got = dec.results(state)
+    alone = [dec.generate([p])[0] for p in PROMPTS[:2]]
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+
+
+def test_a_row_left_inside_a_block_takes_no_further_call(model):
+    dec = Decoder(model, DecodeConfig(method="greedy", gen_length=16, block_length=8))
+    state = dec.start(PROMPTS)
+    assert dec.step(state)                                # the block's first call: every row
+    dec.leave(state, [1])
+    calls, restore = _counting(model)
+    try:
+        while not state.done:
+            dec.step(state)
+    finally:
+        restore()
+    assert calls and max(calls) <= 2                      # rows 0 and 2 only, in every later call
+    others = dec.results(state, rows=[0, 2])
+    assert [r.token_ids for r in others] == [r.token_ids for r in dec.generate([PROMPTS[0], PROMPTS[2]])]
+
+
+def test_leave_at_a_boundary_drops_the_rows(model):
+    dec = Decoder(model, DecodeConfig(method="greedy", gen_length=16, block_length=8))
+    state = dec.start(PROMPTS, live=True)
+    while dec.step(state):
+        pass
+    dec.leave(state, [0, 2])
+    assert state.batch.x.shape[0] == 1
+    while state.batch.cursor < state.batch.end:
+        dec.step(state)
+    assert dec.results(state)[0].token_ids == dec.generate([PROMPTS[1]])[0].token_ids
+    dec.leave(state, [0])
+    assert state.batch is None
+    assert torch.is_grad_enabled()
