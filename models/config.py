@@ -147,21 +147,7 @@ class ModelConfig:
         if self.moe_router not in ("sigmoid", "softmax"):
             raise CheckpointError(f"unknown moe_router {self.moe_router!r}; expected 'sigmoid' or 'softmax'")
         if self.layer_types:
-            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
-                raise CheckpointError(f"layer_types must name one of {LAYER_TYPES} for each of the {self.num_layers} "
-                                      f"layers, got {list(self.layer_types)}")
-            if "sliding_attention" in self.layer_types and not (isinstance(self.sliding_window, int)
-                                                                and self.sliding_window > 0):
-                raise CheckpointError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
-            for name in ("full_head_dim", "full_kv_heads"):
-                v = getattr(self, name)
-                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                    raise CheckpointError(f"{name} must be a positive integer when layer_types is set, got {v!r}")
-            if self.full_head_dim % 2:
-                raise CheckpointError(f"full_head_dim {self.full_head_dim} is odd; rotary embeddings need it even")
-            if self.num_heads % self.full_kv_heads:
-                raise CheckpointError(f"num_heads {self.num_heads} is not a multiple of full_kv_heads "
-                                      f"{self.full_kv_heads}")
+            self._check_layer_types()
         if not 0 < self.full_rotary_fraction <= 1:
             raise CheckpointError(f"full_rotary_fraction must be in (0, 1], got {self.full_rotary_fraction!r}")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
@@ -174,6 +160,28 @@ class ModelConfig:
             if self.moe_intermediate_size <= 0:
                 raise CheckpointError(f"moe_intermediate_size must be a positive integer, got "
                                       f"{self.moe_intermediate_size!r}")
+        self._check_tokens()
+
+    def _check_layer_types(self) -> None:
+        """Per-layer attention shapes (DiffusionGemma's sliding and full layers)."""
+        if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise CheckpointError(f"layer_types must name one of {LAYER_TYPES} for each of the {self.num_layers} "
+                                  f"layers, got {list(self.layer_types)}")
+        if "sliding_attention" in self.layer_types and not (isinstance(self.sliding_window, int)
+                                                            and self.sliding_window > 0):
+            raise CheckpointError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        for name in ("full_head_dim", "full_kv_heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise CheckpointError(f"{name} must be a positive integer when layer_types is set, got {v!r}")
+        if self.full_head_dim % 2:
+            raise CheckpointError(f"full_head_dim {self.full_head_dim} is odd; rotary embeddings need it even")
+        if self.num_heads % self.full_kv_heads:
+            raise CheckpointError(f"num_heads {self.num_heads} is not a multiple of full_kv_heads "
+                                  f"{self.full_kv_heads}")
+
+    def _check_tokens(self) -> None:
+        """Every special id inside the vocabulary; the stop ids de-duplicated, EOS first."""
         for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
@@ -244,39 +252,9 @@ class ModelConfig:
         _check_rope_scaling(r)
         vocab, vocab_key = kw["vocab_size"], _VOCAB_KEY[family](raw)
         g = _Fields(generation_config, gen_source) if generation_config is not None else None
-        # LLaDA2's config.json may leave the mask and EOS ids to generation_config.json
-        if family == "llada2":
-            r.what = f" (of a llada2 model; {gen_source} may give it instead)"
-        mask_from, eos_from = (g if family == "llada2" and g is not None and raw.get(key) is None
-                               and generation_config.get(key) is not None else r
-                               for key in ("mask_token_id", "eos_token_id"))
-        # DiffusionGemma starts its canvas from random tokens: a mask id is optional (None when absent)
-        if family == "diffusion_gemma":    # text_config, the top level or generation_config.json; else None
-            mask_from = next((f for f in (r, top, g) if f is not None and f.raw.get("mask_token_id") is not None), r)
-            mask = mask_from.token_id("mask_token_id") if mask_from.raw.get("mask_token_id") is not None else None
-        else:
-            mask = mask_from.token_id("mask_token_id")
-        eos_list = eos_from.token_ids("eos_token_id", required=True)
-        pad_list = r.token_ids("pad_token_id")
-        extra_stops = {key: r.token_ids(key) for key in ("eot_token_id", "stop_token_ids")}
-        stops = eos_list + [t for ids in extra_stops.values() for t in ids]
-        for key, ids, f in (("mask_token_id", [mask] if mask is not None else [], mask_from),
-                            ("eos_token_id", eos_list, eos_from),
-                            ("pad_token_id", pad_list[:1], r), *((k, v, r) for k, v in extra_stops.items())):
-            for t in ids:
-                if t >= vocab:
-                    raise CheckpointError(f"{f.source}: {key} {t} is outside the vocabulary of size {vocab} "
-                                          f"({vocab_key}{'' if f is r else f' of {source}'})")
-        gen_defaults = {}
-        if g is not None:
-            gen_eos = g.token_ids("eos_token_id")
-            for t in gen_eos:
-                if t >= vocab:
-                    raise CheckpointError(f"{gen_source}: eos_token_id {t} is outside the vocabulary of size {vocab} "
-                                          f"({vocab_key} of {source})")
-            suggested = {key: g.pos_int(key, None) for key in ("gen_length", "block_length")}
-            gen_defaults = {k: v for k, v in suggested.items() if v is not None}
-            stops += gen_eos
+        mask, eos_list, pad_list, stops = _special_ids(raw, r, top, g, family, vocab, vocab_key, gen_source)
+        gen_defaults, gen_eos = _generation_defaults(g, vocab, vocab_key, source)
+        stops += gen_eos
         if family == "llada2" and kw["attention_block"] is None:
             kw["attention_block"] = gen_defaults.get("block_length", LLADA2_BLOCK)
         if family == "diffusion_gemma":     # the canvas (block) length is the engine's default block
@@ -520,6 +498,54 @@ _DG_LAYER_KEYS = ("head_dim", "num_key_value_heads")       # what a per_layer_co
 _MAX_DG_LAYERS = 1 << 16
 
 
+def _special_ids(raw: dict, r: "_Fields", top: "_Fields", g, family: str, vocab: int, vocab_key: str,
+                 gen_source: str) -> tuple:
+    """(mask id or None, EOS ids, pad ids, stop ids) of a config.json (`r`: its text model's
+    fields, `top`: the file's), each inside the vocabulary; LLaDA2's and DiffusionGemma's may come
+    from generation_config.json (`g`)."""
+    source = top.source
+    generation_config = g.raw if g is not None else None
+    # LLaDA2's config.json may leave the mask and EOS ids to generation_config.json
+    if family == "llada2":
+        r.what = f" (of a llada2 model; {gen_source} may give it instead)"
+    mask_from, eos_from = (g if family == "llada2" and g is not None and raw.get(key) is None
+                           and generation_config.get(key) is not None else r
+                           for key in ("mask_token_id", "eos_token_id"))
+    # DiffusionGemma starts its canvas from random tokens: a mask id is optional (None when absent)
+    if family == "diffusion_gemma":    # text_config, the top level or generation_config.json; else None
+        mask_from = next((f for f in (r, top, g) if f is not None and f.raw.get("mask_token_id") is not None), r)
+        mask = mask_from.token_id("mask_token_id") if mask_from.raw.get("mask_token_id") is not None else None
+    else:
+        mask = mask_from.token_id("mask_token_id")
+    eos_list = eos_from.token_ids("eos_token_id", required=True)
+    pad_list = r.token_ids("pad_token_id")
+    extra_stops = {key: r.token_ids(key) for key in ("eot_token_id", "stop_token_ids")}
+    stops = eos_list + [t for ids in extra_stops.values() for t in ids]
+    for key, ids, f in (("mask_token_id", [mask] if mask is not None else [], mask_from),
+                        ("eos_token_id", eos_list, eos_from),
+                        ("pad_token_id", pad_list[:1], r), *((k, v, r) for k, v in extra_stops.items())):
+        for t in ids:
+            if t >= vocab:
+                raise CheckpointError(f"{f.source}: {key} {t} is outside the vocabulary of size {vocab} "
+                                      f"({vocab_key}{'' if f is r else f' of {source}'})")
+    return mask, eos_list, pad_list, stops
+
+
+def _generation_defaults(g, vocab: int, vocab_key: str, source: str) -> tuple[dict, list[int]]:
+    """(the sizes generation_config.json suggests, its EOS ids), each checked; ({}, []) without one."""
+    if g is None:
+        return {}, []
+    gen_source = g.source
+    gen_eos = g.token_ids("eos_token_id")
+    for t in gen_eos:
+        if t >= vocab:
+            raise CheckpointError(f"{gen_source}: eos_token_id {t} is outside the vocabulary of size {vocab} "
+                                  f"({vocab_key} of {source})")
+    suggested = {key: g.pos_int(key, None) for key in ("gen_length", "block_length")}
+    gen_defaults = {k: v for k, v in suggested.items() if v is not None}
+    return gen_defaults, gen_eos
+
+
 def _dg_generation(g: "_Fields", vocab: int) -> dict:
     """The denoising settings of a DiffusionGemma generation_config.json (the keys of transformers'
     DiffusionGemmaGenerationConfig, `sampler_config` as it serialises it), each checked; only the keys
@@ -551,30 +577,20 @@ def _dg_generation(g: "_Fields", vocab: int) -> dict:
     return out
 
 
-def _diffusion_gemma_from(r: "_Fields", family: str) -> dict:
-    """DiffusionGemma (`diffusion_gemma`, DiffusionGemmaForBlockDiffusion): the Gemma 4 MoE text
-    backbone, read from `text_config` with the defaults of transformers' DiffusionGemmaTextConfig."""
-    d, h = r.pos_int("hidden_size", 2304), r.pos_int("num_attention_heads", 8)
-    kv, hd = r.pos_int("num_key_value_heads", 4), r.pos_int("head_dim", 256)
-    _check_heads(r, ("hidden_size", d), ("num_attention_heads", h), ("num_key_value_heads", kv), hd)
-    n_layers = r.pos_int("num_hidden_layers", 30)
-    act = r.string("hidden_activation", "gelu_pytorch_tanh")
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise CheckpointError(f"{r.source}: hidden_activation {act!r} is not supported by this engine "
-                              f"(DiffusionGemma's MLPs are GeGLU: 'gelu_pytorch_tanh')")
-    bidi = r.raw.get("use_bidirectional_attention")
-    if bidi not in (None, "vision"):       # "vision" only changes image tokens, which this engine never sees
-        raise CheckpointError(f"{r.source}: use_bidirectional_attention {_show(bidi)} is not supported by this "
-                              f"engine (its encoder is causal over text: null or 'vision')")
-    if n_layers > _MAX_DG_LAYERS:         # a per-layer list of that many is built below: fail before it
-        raise CheckpointError(f"{r.source}: num_hidden_layers {n_layers} is more than this engine builds "
-                              f"({_MAX_DG_LAYERS})")
+def _dg_layer_types(r: "_Fields", n_layers: int) -> list[str]:
+    """Each layer's attention type (transformers' default: five sliding layers, then a full one;
+    the last layer always full, as transformers forces it)."""
     types = r.raw.get("layer_types")
     if types is None:                      # transformers' default: five sliding layers, then a full one
         types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
         r.fail("layer_types", f"a list of {n_layers} of {LAYER_TYPES}", types)
-    types = types[:-1] + ["full_attention"]          # transformers forces the last layer to full attention
+    return types[:-1] + ["full_attention"]          # transformers forces the last layer to full attention
+
+
+def _dg_ropes(r: "_Fields", types: list[str]) -> dict:
+    """Per layer type, (RoPE theta, rotary fraction): sliding layers default RoPE, full layers
+    proportional (Gemma's partial rotary)."""
     rope = r.raw.get("rope_parameters")
     rope = _DG_ROPE if rope is None else rope
     if not isinstance(rope, dict):
@@ -596,6 +612,12 @@ def _diffusion_gemma_from(r: "_Fields", family: str) -> dict:
         if fraction > 1:
             f.fail("partial_rotary_factor", "at most 1", p["partial_rotary_factor"])
         ropes[kind] = (theta, fraction)
+    return ropes
+
+
+def _dg_full_shape(r: "_Fields", types: list[str], n_layers: int, hd: int, kv: int) -> tuple[int, int]:
+    """The full-attention layers' (head dim, kv heads): per_layer_config as transformers writes it,
+    or the Gemma 4 fields global_head_dim / num_global_key_value_heads."""
     # the full-attention layers' shape: per_layer_config (as transformers writes it) or the Gemma 4 fields
     full_hd, full_kv = r.pos_int("global_head_dim", 512), r.pos_int("num_global_key_value_heads", kv)
     per_layer = r.raw.get("per_layer_config")
@@ -619,7 +641,31 @@ def _diffusion_gemma_from(r: "_Fields", family: str) -> dict:
             raise CheckpointError(f"{r.source}: per_layer_config must give every full_attention layer the same "
                                   f"head_dim and num_key_value_heads and leave sliding layers alone (this engine has "
                                   f"one shape per layer type)")
-        full_hd, full_kv = shapes.pop()
+        return shapes.pop()
+    return full_hd, full_kv
+
+
+def _diffusion_gemma_from(r: "_Fields", family: str) -> dict:
+    """DiffusionGemma (`diffusion_gemma`, DiffusionGemmaForBlockDiffusion): the Gemma 4 MoE text
+    backbone, read from `text_config` with the defaults of transformers' DiffusionGemmaTextConfig."""
+    d, h = r.pos_int("hidden_size", 2304), r.pos_int("num_attention_heads", 8)
+    kv, hd = r.pos_int("num_key_value_heads", 4), r.pos_int("head_dim", 256)
+    _check_heads(r, ("hidden_size", d), ("num_attention_heads", h), ("num_key_value_heads", kv), hd)
+    n_layers = r.pos_int("num_hidden_layers", 30)
+    act = r.string("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"{r.source}: hidden_activation {act!r} is not supported by this engine "
+                              f"(DiffusionGemma's MLPs are GeGLU: 'gelu_pytorch_tanh')")
+    bidi = r.raw.get("use_bidirectional_attention")
+    if bidi not in (None, "vision"):       # "vision" only changes image tokens, which this engine never sees
+        raise CheckpointError(f"{r.source}: use_bidirectional_attention {_show(bidi)} is not supported by this "
+                              f"engine (its encoder is causal over text: null or 'vision')")
+    if n_layers > _MAX_DG_LAYERS:         # a per-layer list of that many is built below: fail before it
+        raise CheckpointError(f"{r.source}: num_hidden_layers {n_layers} is more than this engine builds "
+                              f"({_MAX_DG_LAYERS})")
+    types = _dg_layer_types(r, n_layers)
+    ropes = _dg_ropes(r, types)
+    full_hd, full_kv = _dg_full_shape(r, types, n_layers, hd, kv)
     _check_heads(r, ("hidden_size", d), ("num_attention_heads", h), ("the full layers' num_key_value_heads", full_kv),
                  full_hd)
     if r.flag("attention_bias", False):   # transformers ties the encoder's weights to the decoder's, not biases
