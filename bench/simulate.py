@@ -36,6 +36,15 @@ token) reads the experts its tokens chose, W_read = W_body − M·W_e·(E − U)
 k/E)^tokens) the distinct experts of uniform routing, multiplies k of them per token,
 W_active = W_body − M·W_e·(E − k), and moves k experts' (plus the shared ones') activations as I.
 
+A uniform-noise model (DiffusionGemma) makes two kinds of call, both recorded: the encoder over
+new columns (causal, over the KV before them) and the decoder over a canvas (over the encoder's
+KV, after a denoising step's first call with the previous step's logits as input: + n·T·V
+elements read and 2·d·V·n·T FLOPs). Its layers differ (sliding-window layers read at most their
+window of the cache; full-attention layers have their own head dim and kv heads): the cache,
+activation and attention terms sum over the kinds of layer. Its W_active (`active_params`) is the
+dense MLP, k = 8 of E = 128 experts, the router and the attention of each of its 30 layers:
+3.10B, + 0.74B of embedding = 3.84B of 25.25B at the 26B-A4B shape.
+
 The three constants were measured on an NVIDIA H200 (2026-11-26,
 `python -m bench.profile_call --shape llada-8b|dream-7b --rows 1 16`, docs/gpu.md):
 
@@ -81,7 +90,7 @@ from models import DTYPES, CheckpointError, ModelConfig, Tokenizer, load_model
 
 from ._common import write_rows
 from .eval import method_config, parse_method, spec_label
-from .workload import checkpoint_prompts, fit_length, shape_config
+from .workload import checkpoint_prompts, fit_length, settle_run, shape_config
 
 TITLE = "PROJECTION (not a measurement)"
 OVERHEAD_MS = 1.0           # measured: CUDA-graph replay beyond the kernels (see the module docstring)
@@ -146,6 +155,7 @@ class Call:
     cached: int = 0
     cache_rows: int = 0
     out: int = 0
+    self_cond: bool = False     # a uniform-noise decoder call: the previous step's logits [n, T, V] as an input
 
 
 # ---------------------------------------------------------------------- the roofline
@@ -165,6 +175,27 @@ def body_params(mc) -> int:
 def expert_params(mc) -> int:
     """One routed expert's weights (gate, up, down), 0 for a dense model."""
     return 3 * mc.hidden_size * mc.moe_intermediate_size if mc.num_experts else 0
+
+
+def active_params(mc) -> int:
+    """Parameters one token multiplies in the transformer blocks (`body_params`): on a mixture of
+    experts its k routed experts of E in every MoE layer, with the shared experts and (softmax
+    router, DiffusionGemma) the dense MLP beside them, the router and the attention; the LM head
+    (V·d) is counted apart, per logit position."""
+    return body_params(mc) - (mc.num_experts - mc.num_experts_per_tok) * mc.moe_layers() * expert_params(mc)
+
+
+def _attention_kinds(mc) -> list[tuple[int, object]]:
+    """(layers, `LayerAttention`) per kind of layer: one kind for most families; DiffusionGemma's
+    sliding-window and full-attention layers differ in window, head dim and kv heads."""
+    if not mc.layer_types:
+        return [(mc.num_layers, mc.layer(0))]
+    return [(mc.layer_types.count(t), mc.layer(mc.layer_types.index(t))) for t in dict.fromkeys(mc.layer_types)]
+
+
+def _seen(a, cached: int) -> int:
+    """Cached positions a query of a layer of attention shape `a` reads (its window bounds them)."""
+    return cached if a.window is None else min(cached, a.window)
 
 
 def experts_used(mc, tokens: int) -> float:
@@ -187,21 +218,26 @@ def _mlp_width(mc) -> float:
 
 
 def call_bytes(mc, call: Call, elem: int) -> float:
-    d, q, kv, L, V = (mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim,
-                      mc.num_layers, mc.vocab_size)
+    d, L, V = mc.hidden_size, mc.num_layers, mc.vocab_size
+    kinds = _attention_kinds(mc)
+    q = sum(n * mc.num_heads * a.head_dim for n, a in kinds) / L        # widths averaged over the layers
+    kv = sum(n * a.kv_heads * a.head_dim for n, a in kinds) / L
     tokens = call.rows * call.tokens
     routed = mc.moe_layers() * expert_params(mc)           # one expert in every MoE layer
     weights = body_params(mc) - mc.num_experts * routed + experts_used(mc, tokens) * routed
-    return elem * (weights + V * d + tokens * d + call.cache_rows * call.cached * L * 2 * kv
+    cache = call.cache_rows * sum(n * _seen(a, call.cached) * 2 * a.kv_heads * a.head_dim for n, a in kinds)
+    self_cond = tokens * V if call.self_cond else 0         # the previous step's logits, read once
+    return elem * (weights + V * d + tokens * d + cache + self_cond
                    + tokens * L * (17 * d + 6 * q + 6 * kv + 6 * _mlp_width(mc)) + 2 * call.rows * call.out * V)
 
 
 def call_flops(mc, call: Call) -> float:
     tokens = call.rows * call.tokens
-    routed = mc.moe_layers() * expert_params(mc)
-    active = body_params(mc) - (mc.num_experts - mc.num_experts_per_tok) * routed    # k experts a token
-    attn = 4 * mc.num_layers * mc.num_heads * mc.head_dim * call.rows * call.tokens * (call.cached + call.tokens)
-    return 2 * active * tokens + 2 * mc.hidden_size * mc.vocab_size * call.rows * call.out + attn
+    attn = sum(4 * n * mc.num_heads * a.head_dim * call.rows * call.tokens * (_seen(a, call.cached) + call.tokens)
+               for n, a in _attention_kinds(mc))
+    self_cond = 2 * mc.hidden_size * mc.vocab_size * tokens if call.self_cond else 0    # soft embeddings of it
+    return 2 * active_params(mc) * tokens + 2 * mc.hidden_size * mc.vocab_size * call.rows * call.out + attn \
+        + self_cond
 
 
 def call_ms(mc, call: Call, c: Card, elem: int = 2, overhead_ms: float = OVERHEAD_MS, efficiency: float = 1.0,
@@ -239,12 +275,13 @@ class CallTrace:
 
     def _hook(self, module, args, kwargs):
         ids = args[0] if args else kwargs["ids"]
-        cache = kwargs.get("cache")
+        cache = kwargs.get("cache", args[3] if len(args) > 3 else None)      # engine/uniform.py passes it in place
         R, T = ids.shape
         start = kwargs.get("out_start", 0)
         out = kwargs.get("out_len")
         self.calls.append(Call(R, T, 0 if cache is None else cache.length,
-                               0 if cache is None else cache.key_mask.shape[0], T - start if out is None else out))
+                               0 if cache is None else cache.key_mask.shape[0], T - start if out is None else out,
+                               kwargs.get("self_cond") is not None))
 
     def remove(self) -> None:
         self.handle.remove()
@@ -262,10 +299,10 @@ def _budget_cost(cost, cache, mc_acc, prompt_width, gen_length, block_length, ba
                               for n in counts], "projected")
 
 
-def decodes(specs, cards: list[str], prompts: int, batch: int, **run) -> int:
-    """Batches `simulate` decodes (`run`: gen_length, block_length, cache): every spec once, one
-    with `draft_budget=auto` once per card (it chooses for the card)."""
-    auto = [method_config(name, opts, **run).draft_budget == "auto" for name, opts in specs]
+def decodes(specs, cards: list[str], prompts: int, batch: int, mc=None, **run) -> int:
+    """Batches `simulate` decodes (`run`: gen_length, block_length, cache; `mc`: the model's config,
+    if known): every spec once, one with `draft_budget=auto` once per card (it chooses for the card)."""
+    auto = [method_config(name, opts, mc, **run).draft_budget == "auto" for name, opts in specs]
     once = {(name, json.dumps(opts, sort_keys=True, default=str)) for (name, opts), a in zip(specs, auto) if not a}
     return (len(once) + sum(auto) * len(cards)) * math.ceil(prompts / batch)
 
@@ -280,14 +317,15 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
     mc_acc = model.config
     width = max(len(p) for p in prompts)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    setting = {"cache": cache, "batch": batch, "prompts": len(prompts), "gen_length": gen_length,
+    label = "encoder" if cache is None else cache          # a uniform-noise model: its encoder's cache
+    setting = {"cache": label, "batch": batch, "prompts": len(prompts), "gen_length": gen_length,
                "block_length": block_length}
     rows, decoded = [], {}
     for name in cards:
         c = card(name)
         if profile is not None:
             curves = read_profile(profile)
-            cm = CostModel.from_profile(profile, cache, block_length, width, curves)
+            cm = CostModel.from_profile(profile, label, block_length, width, curves)
 
             def cost(call, cm=cm):
                 return cm.ms(call.rows)
@@ -296,7 +334,7 @@ def simulate(model, specs, prompts, cards: list[str], target, cache: str, batch:
                 return call_ms(target, call, c, elem, overhead_ms, efficiency, host_ms_per_layer)
         base_tps = None
         for mname, opts in specs:
-            cfg = method_config(mname, opts, gen_length=gen_length, block_length=block_length, cache=cache)
+            cfg = method_config(mname, opts, mc_acc, gen_length=gen_length, block_length=block_length, cache=cache)
             auto = cfg.draft_budget == "auto"
             key = (mname, json.dumps(opts, sort_keys=True, default=str))
             if auto or key not in decoded:          # auto chooses per card: decoded again on every card
@@ -372,12 +410,14 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     """The --simulate mode of bench.speed (args: its parsed command line)."""
     cards = list(dict.fromkeys(card_key(name) for name in args.simulate))
     overhead, eff, host = _roofline_settings(args)
-    specs = [parse_method(s) for s in (args.methods or DEFAULT_METHODS)]
     model_dir = Path(args.model or DEFAULT_MODEL_DIR)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
     mc_acc = ModelConfig.from_dir(model_dir)
+    settle_run(args, mc_acc)                 # a uniform-noise model: its canvas length, its encoder's cache
     target, target_name = (shape_config(args.shape), args.shape) if args.shape else (mc_acc, str(model_dir))
+    check_target(mc_acc, model_dir, target, target_name)
+    specs = [parse_method(s) for s in (args.methods or (["eb"] if mc_acc.mask_token_id is None else DEFAULT_METHODS))]
     if args.cost_profile:
         read_profile(args.cost_profile)                  # checked before anything is decoded
     prompts, source = _checked_prompts(args, Tokenizer(model_dir), mc_acc, specs)
@@ -388,8 +428,8 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
     t0 = time.perf_counter()
     rows = []
     runs = [(gl, cache, b) for gl in args.gen_length for cache in args.cache for b in args.batch_sizes]
-    total = sum(decodes(specs, cards, len(prompts), b, gen_length=gl, block_length=args.block_length, cache=cache)
-                for gl, cache, b in runs)
+    total = sum(decodes(specs, cards, len(prompts), b, mc_acc, gen_length=gl, block_length=args.block_length,
+                        cache=cache) for gl, cache, b in runs)
     with progress(total, "simulate: decoded batches", args.quiet) as bar:
         for gl, cache, b in runs:
             rows += simulate(model, specs, prompts, cards, target, cache, b, gl, args.block_length, elem,
@@ -412,6 +452,22 @@ def run(args, command: str, stamp_versions: dict, device: torch.device, dev_name
                "markdown": str(out / "projection.md"), "csv": str(out / "projection.csv"),
                "json": str(out / "projection.json")}
     return _write_projection(out, rows, header, summary, stamp_versions)
+
+
+def check_target(mc_acc, model_dir, target, target_name: str) -> None:
+    """The acceptance model decodes the calls the target's roofline costs, so both diffuse alike: a
+    uniform-noise target (DiffusionGemma) needs a uniform-noise acceptance model of its canvas
+    length (its calls are canvases of that length), a masked target a masked one; else one error line."""
+    uniform, want = mc_acc.mask_token_id is None, target.mask_token_id is None
+    if uniform != want:
+        kind = "a uniform-noise (diffusion_gemma)" if want else "a masked"
+        raise InputError(f"--shape {target_name} is {kind} model; its calls are projected from decoding {kind} "
+                         f"acceptance model, and {model_dir} is a {mc_acc.family} model (give --model DIR)")
+    C, C_target = mc_acc.generation_defaults.get("block_length"), target.generation_defaults.get("block_length")
+    if uniform and C != C_target:
+        raise InputError(f"--shape {target_name} decodes canvases of {C_target}; the acceptance model {model_dir} "
+                         f"decodes canvases of {C} (its calls are costed as they are): give a {target.family} "
+                         f"checkpoint of canvas_length {C_target}")
 
 
 def _roofline_settings(args) -> tuple[float, float, float]:
@@ -442,11 +498,15 @@ def _checked_prompts(args, tok, mc_acc, specs) -> tuple[list, str]:
     n = (args.num_prompts or [8])[0]
     prompts, source = checkpoint_prompts(args, tok, n)
     prompts = fit_length(prompts, (args.prompt_length or [None])[0])
+    uniform = mc_acc.mask_token_id is None
     for gl in args.gen_length:
-        check_prompts(mc_acc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
+        if not uniform:
+            check_prompts(mc_acc, DecodeConfig(gen_length=gl, block_length=args.block_length), prompts)
         for cache in args.cache:
             for name, opts in specs:
-                method_config(name, opts, gen_length=gl, block_length=args.block_length, cache=cache)
+                cfg = method_config(name, opts, mc_acc, gen_length=gl, block_length=args.block_length, cache=cache)
+        if uniform:                             # its gen length: whole canvases
+            check_prompts(mc_acc, cfg, prompts)
     return prompts, source
 
 

@@ -20,6 +20,14 @@ engine's own cache modes (dual by default: the cache is built once, then `CACHE_
 runs the rows over it with every row mapped to its sequence's cache row). Writes a cost
 profile (JSON, docs/gpu.md) that tools read to choose draft budgets.
 
+A uniform-noise model (DiffusionGemma: `--shape diffusiongemma-26b-a4b`, `tiny-diffusiongemma`, or
+its checkpoint) has no mask and no cache modes: its cost curve times the decoder call of a
+denoising step (R canvases of its canvas length per sequence, bidirectional, each over its
+sequence's encoder KV of the prefix, with the previous step's logits as self-conditioning input;
+bench/workload.py `UniformCalls`, the engine's own calls); its decodes run in bench.eval and
+engine.generate, and `--simulate` projects them from a DiffusionGemma `--model` of the shape's
+canvas length.
+
 `--simulate CARD [CARD ...]` (bench/simulate.py) prints a PROJECTION, not a measurement: the
 methods decode here with the acceptance model, every model call is recorded, and each call is
 costed on the card by a roofline at `--shape` (HBM bandwidth and dense bf16 FLOP/s from the
@@ -60,8 +68,8 @@ from models.checkpoint import available_memory
 from . import simulate
 from ._common import THREADS_HELP, bench_threads, device_name, versions, write_rows
 from .eval import method_config, parse_method, spec_label
-from .workload import (SHAPES, build_random, cached_block, checkpoint_prompts, fit_length, param_count,
-                       random_prompts, shape_config, verification_call)
+from .workload import (SHAPES, build_random, cached_block, call_mode, checkpoint_prompts, fit_length, kv_width,
+                       param_count, random_prompts, settle_run, shape_config, verification_call)
 
 PROFILE_FORMAT = "psd-cost-profile/1"
 DEFAULT_METHODS = ["greedy", "confidence", "psd:policy=confidence,d=3"]
@@ -273,7 +281,7 @@ def cost_curve(model, device, cache: str, prefixes, rows_list, batch_sizes, bloc
                pbar) -> list[dict]:
     """ms of one model call of R draft blocks per sequence over one cached prefix per sequence."""
     mc = model.config
-    mode = CACHE_MODES[cache](model)
+    mode = call_mode(model, cache)          # a uniform-noise model: its encoder, then decoder calls
     L = block_length
     curves = []
     for S in prefixes:
@@ -350,10 +358,11 @@ def cost_markdown(curves: list[dict], header: str) -> str:
 def build_parser() -> Parser:
     p = Parser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
     add_plugin_flag(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint directory (default: the shipped models/default)")
-    src.add_argument("--shape", choices=list(SHAPES),
-                     help="random weights at a real shape, built in memory (no acceptance: call cost only)")
+    p.add_argument("--model", help="checkpoint directory (default: the shipped models/default); with --simulate the "
+                                    "acceptance model whose calls --shape's roofline costs")
+    p.add_argument("--shape", choices=list(SHAPES),
+                   help="random weights at a real shape, built in memory (no acceptance: call cost only); not with "
+                        "--model, except under --simulate")
     p.add_argument("--methods", nargs="+",
                    help="method specs as bench.eval takes them (name[:key=value,...]); greedy and each "
                         f"method's no-draft baseline are added (default: {' '.join(DEFAULT_METHODS)}; with "
@@ -362,12 +371,13 @@ def build_parser() -> Parser:
     p.add_argument("--num-prompts", type=int, nargs="+",
                    help="prompts per configuration: one value, or one per batch size "
                         "(default: 8 for batches below 8, else one batch)")
-    p.add_argument("--cache", nargs="+", default=["none"], choices=list(CACHE_MODES))
+    p.add_argument("--cache", nargs="+", choices=list(CACHE_MODES),
+                   help="default none; a uniform-noise model (diffusion_gemma) takes none: its encoder's cache")
     p.add_argument("--prompt-length", type=int, nargs="+",
                    help="prompt tokens (default: 64 with --shape; a checkpoint's prompts as they are); with a "
                         "checkpoint each prompt is cut to / filled up to this length with other prompts' tokens")
     p.add_argument("--gen-length", type=int, nargs="+", default=[64])
-    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--block-length", type=int, help="default 32; a uniform-noise model's is its canvas length")
     p.add_argument("--task", default="math", choices=["math", "code"],
                    help="held-out prompts of a checkpoint (default: math)")
     p.add_argument("--prompts", help="prompt file: one prompt per line, or JSONL with a \"prompt\" field")
@@ -383,10 +393,20 @@ def build_parser() -> Parser:
                    help="--cost-curve: draft blocks per sequence in one call")
     p.add_argument("--prefix", type=int, nargs="+", default=[512, 1024, 4096],
                    help="--cost-curve: cached prefix tokens")
-    p.add_argument("--cost-cache", default="dual", choices=list(CACHE_MODES), help="--cost-curve: cache mode")
+    p.add_argument("--cost-cache", default="dual", choices=list(CACHE_MODES),
+                   help="--cost-curve: cache mode (a uniform-noise model: its decoder over the encoder's cache)")
     p.add_argument("--cost-reps", type=int, help="--cost-curve: timed calls per point (default: 20 GPU, 5 CPU)")
     p.add_argument("--cost-profile-out", help="--cost-curve: the cost profile JSON (default: OUT/cost_profile.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --cost-profile-out file")
+    _add_simulate_flags(p)
+    p.add_argument("--out", help="output directory (default: a fresh runs/speed-<time>/)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar at a terminal, else a line "
+                                                         "every 30 s, $PSD_PROGRESS_SECONDS)")
+    return p
+
+
+def _add_simulate_flags(p: Parser) -> None:
+    """--simulate and the roofline's settings (bench/simulate.py)."""
     p.add_argument("--simulate", nargs="+", metavar="CARD",
                    help="a PROJECTION, not a measurement (bench/simulate.py): decode here, record every call, "
                         f"cost each call on CARD ({', '.join(simulate.CARDS)}) by a roofline at --shape (or "
@@ -402,10 +422,6 @@ def build_parser() -> Parser:
     p.add_argument("--host-ms-per-layer", type=float,
                    help="--simulate: host time to issue one layer of an eager call; the call takes the larger of "
                         "it and the kernels (default 0.87, measured on an H200's host; 0: CUDA-graph replay)")
-    p.add_argument("--out", help="output directory (default: a fresh runs/speed-<time>/)")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar at a terminal, else a line "
-                                                         "every 30 s, $PSD_PROGRESS_SECONDS)")
-    return p
 
 
 def _positive(name: str, values) -> None:
@@ -427,6 +443,9 @@ def _check_args(args) -> None:
     if args.num_prompts and len(args.num_prompts) not in (1, len(args.batch_sizes)):
         raise InputError(f"--num-prompts takes one value or one per batch size ({len(args.batch_sizes)}), "
                          f"got {len(args.num_prompts)}")
+    if args.shape and args.model and not args.simulate:
+        raise InputError("give --model (a checkpoint) or --shape (random weights), not both; with --simulate, "
+                         "--model decodes and --shape is the roofline's target")
     if args.shape and args.prompts:
         raise InputError("--prompts needs a checkpoint (--model); --shape decodes random prompts")
     if args.prompts:
@@ -472,7 +491,7 @@ def check_memory(mc: ModelConfig, name: str, dtype: torch.dtype, device: torch.d
     activations and logits come on top)."""
     size = torch.empty((), dtype=dtype).element_size()
     weights = mc.parameter_count() * size
-    cache = tokens * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * size
+    cache = tokens * kv_width(mc) * size
     have = available_memory(device)
     if weights + cache > have:
         where = "GPU" if device.type == "cuda" else "machine"
@@ -482,9 +501,11 @@ def check_memory(mc: ModelConfig, name: str, dtype: torch.dtype, device: torch.d
                          f"{_gib(have)} of memory; use a smaller shape, a GPU with more memory or --model DIR")
 
 
-def _largest_tokens(args, plan) -> int:
+def _largest_tokens(args, plan, mc: ModelConfig) -> int:
     """Positions held at once by the largest configuration (a lower bound: every sequence of the
     batch, its prompt, generation and, for a cost curve, every draft block of one call)."""
+    if args.cost_curve and mc.mask_token_id is None:     # every canvas reads its own copy of its encoder cache
+        return max(args.batch_sizes) * max(args.rows) * (max(args.prefix) + args.block_length)
     if args.cost_curve:
         return max(args.batch_sizes) * (max(args.prefix) + max(args.rows) * args.block_length)
     plen = max(args.prompt_length or [64])
@@ -506,6 +527,7 @@ def _run(args, argv) -> int:
         bench_threads(args.threads)
         device = torch.device(resolve_device(args.device))
         return simulate.run(args, command, versions(), device, device_name(device))
+    _settle_model(args)
     plan = [] if args.cost_curve else method_plan(args.methods or DEFAULT_METHODS)
     if not args.cost_curve:
         _check_method_options(args, plan)
@@ -532,6 +554,29 @@ def _run(args, argv) -> int:
     return _end_to_end_report(args, model, device, plan, prompt_sets, source, out, stamp, header, summary)
 
 
+def _peek_config(args) -> ModelConfig | None:
+    """The config of --shape or --model if it reads now, else None (its error comes where the model is read)."""
+    if args.shape is not None:
+        return shape_config(args.shape)
+    try:
+        model_dir = Path(args.model or DEFAULT_MODEL_DIR)
+        return ModelConfig.from_dir(model_dir) if model_dir.is_dir() else None
+    except (CheckpointError, OSError, ValueError):
+        return None
+
+
+def _settle_model(args) -> None:
+    """--block-length and --cache for the model (`settle_run`); a uniform-noise model's speed here
+    is its call's cost (--cost-curve) or its projection (--simulate): its decodes run in
+    engine.generate and bench.eval, which count its calls."""
+    mc = _peek_config(args)
+    settle_run(args, mc)
+    if mc is not None and mc.mask_token_id is None and not args.cost_curve:
+        raise InputError(f"bench.speed decodes masked models end to end; a {mc.family} model takes --cost-curve "
+                         f"(its decoder call) or --simulate CARD (a projection); bench.eval and engine.generate "
+                         f"decode it")
+
+
 def _check_method_options(args, plan) -> None:
     """Every method's options at every gen length and cache mode, checked before any weight is read."""
     for gl in args.gen_length:
@@ -545,7 +590,7 @@ def _model_source(args, dtype: torch.dtype, device: torch.device, plan):
     config once its weights are known to fit (--shape), else the checkpoint's config and tokenizer."""
     if args.shape is not None:
         mc = shape_config(args.shape)
-        check_memory(mc, args.shape, dtype, device, _largest_tokens(args, plan))
+        check_memory(mc, args.shape, dtype, device, _largest_tokens(args, plan, mc))
         return mc, args.shape, None, None
     model_dir = Path(args.model or DEFAULT_MODEL_DIR)
     if not model_dir.is_dir():
@@ -599,7 +644,8 @@ def _cost_curve_report(args, model, device: torch.device, out: Path, stamp: dict
     with progress(total, "cost curve: points", args.quiet) as pbar:
         curves = cost_curve(model, device, args.cost_cache, args.prefix, args.rows, args.batch_sizes,
                             args.block_length, reps, 0 if args.no_warmup else 2, args.seed, pbar)
-    meta = {"device": stamp["device"], "model": stamp["model"], "dtype": args.dtype, "cache": args.cost_cache,
+    cache = args.cost_cache if model.config.mask_token_id is not None else "encoder"   # uniform noise: its own
+    meta = {"device": stamp["device"], "model": stamp["model"], "dtype": args.dtype, "cache": cache,
             "block_length": args.block_length}
     profile = {"format": PROFILE_FORMAT, **versions(), "command": command, "reps": reps,
                "curves": [{**meta, **c} for c in curves]}
@@ -610,10 +656,10 @@ def _cost_curve_report(args, model, device: torch.device, out: Path, stamp: dict
     except OSError as e:                    # checked up front; a disk that filled up since is still one line
         raise InputError(f"--cost-profile-out {prof_path}: cannot write ({e.strerror})") from None
     flat = [{"prefix": c["prefix"], "batch": c["batch"], "rows": R, "block_length": args.block_length,
-             "cache": args.cost_cache, "ms": ms, "ms_min": lo, "x1": ms / c["ms"][0]}
+             "cache": cache, "ms": ms, "ms_min": lo, "x1": ms / c["ms"][0]}
             for c in curves for R, ms, lo in zip(c["rows"], c["ms"], c["ms_min"])]
     write_rows(out / "cost_curve.csv", flat, stamp)
-    md = cost_markdown(curves, f"cost of one model call ({args.cost_cache} cache, block {args.block_length}, "
+    md = cost_markdown(curves, f"cost of one model call ({cache} cache, block {args.block_length}, "
                                f"{reps} timed calls per point): {header}\n\ncommand: `{command}`")
     (out / "cost_curve.md").write_text(md + "\n", encoding="utf-8")
     print(md)
