@@ -88,3 +88,22 @@ def test_peer_command_is_left_to_right_one_token_a_step():
                  "-ub 160", "-c 160", "-t 2", "-tb 2", "--diffusion-algorithm 4", "-ctk f32 -ctv f32", "-fa off"):
         assert part in joined
     assert cmd[0].endswith("build/bin/llama-diffusion-cli")
+
+
+def test_a_run_that_lost_its_timing_line_is_repeated(tmp_path):
+    """The CLI's log thread can drop its last lines at exit (status 0): run_peer runs it again."""
+    sample = SAMPLE.read_text()
+    cut = sample[:sample.index("total time")]
+    (tmp_path / "full.txt").write_text(sample)
+    (tmp_path / "cut.txt").write_text(cut)
+    fake = tmp_path / "cli"
+    fake.write_text(f"#!/bin/sh\nif [ -e {tmp_path}/ran ]; then cat {tmp_path}/full.txt; "
+                    f"else touch {tmp_path}/ran; cat {tmp_path}/cut.txt; fi\n")
+    fake.chmod(0o755)
+    layout = peer.token_ids(32000, eos=0, mask=31999, bos=1)
+    r = peer.run_peer([str(fake)], layout)
+    assert r["retries"] == 1 and r["step_ms"] == 1496.95 and len(r["ids"]) == 8
+    (tmp_path / "ran").unlink()
+    fake.write_text(f"#!/bin/sh\ncat {tmp_path}/cut.txt\n")
+    with pytest.raises(ValueError, match="total time"):
+        peer.run_peer([str(fake)], layout, tries=2)
