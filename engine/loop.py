@@ -117,14 +117,11 @@ class Decoder:
             index=index, seqs=seqs, win=win, gen_start=batch.gen_start[seqs], x=x, valid=valid, pos=pos,
             cache=cache, pred=pred, conf=conf,
             calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
-            pending=zeros(torch.bool) | True, commit_call=batch.commit_call[seqs, span],
-            commit_step=batch.commit_step[seqs, span], commit_source=batch.commit_source[seqs, span],
-            commit_prob=batch.commit_prob[seqs, span],
+            pending=zeros(torch.bool) | True, commits=batch.commits.take(seqs, span),
             depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
             nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
             carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
             policy_state=None if batch.policy_state is None else batch.policy_state.take(seqs, span), top=top,
-            commit_top=None if batch.commit_top is None else batch.commit_top[seqs, span],
             post=zeros() if self.policy.edits else None)
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
@@ -148,7 +145,7 @@ class Decoder:
             raise_failure(run)
         seqs, span = run.seqs, slice(run.win.lo, run.win.lo + run.win.width + run.win.ahead)
         if self.budget is not None:          # what this block's plan yielded: tokens, verification calls
-            tokens = (run.commit_call >= 0).sum() - (batch.commit_call[seqs, span] >= 0).sum()
+            tokens = (run.commits.call >= 0).sum() - (batch.commits.call[seqs, span] >= 0).sum()
             self.budget.observe_block(run.plan, tokens, run.nodes_hist.sum() - batch.nodes_hist[seqs].sum())
         self.settle(batch, run)
         if self.dc.cross_block:
@@ -163,12 +160,8 @@ class Decoder:
         span = slice(run.win.lo, run.win.lo + run.win.width + run.win.ahead)
         batch.x[seqs] = run.x[rows]
         batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls[rows], run.rows[rows], run.stop_at[rows]
-        batch.commit_call[seqs, span], batch.commit_step[seqs, span] = run.commit_call[rows], run.commit_step[rows]
-        batch.commit_source[seqs, span] = run.commit_source[rows]
-        batch.commit_prob[seqs, span] = run.commit_prob[rows]
+        batch.commits.put(run.commits.take(rows), seqs, span)
         batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist[rows], run.nodes_hist[rows]
-        if run.commit_top is not None:
-            batch.commit_top[seqs, span] = run.commit_top[rows]
         if run.policy_state is not None:
             batch.policy_state.put(seqs, run.policy_state.take(rows), span)
 
@@ -190,11 +183,8 @@ class Decoder:
                 & run.pending[:, None]
         W = run.win.width
         run.x[:, run.win.lo:run.win.hi] = torch.where(commit, run.pred, blk)
-        run.commit_call[:, :W] = torch.where(commit, run.calls[:, None], run.commit_call[:, :W])
-        run.commit_step[:, :W] = torch.where(commit, run.step[:, None], run.commit_step[:, :W])
-        run.commit_prob[:, :W] = torch.where(commit, run.conf.double(), run.commit_prob[:, :W])
-        if run.top is not None:
-            run.commit_top[:, :W] = torch.where(commit[..., None, None], run.top, run.commit_top[:, :W])
+        run.commits.write(commit, cols=slice(0, W), call=run.calls[:, None], step=run.step[:, None],
+                          prob=run.conf.double(), top=run.top)
         run.step = run.step + run.pending.long()
         run.policy_state = self.policy.update(run.policy_state, commit, run.step)     # None stays None
         if self.policy.edits:
@@ -264,14 +254,12 @@ class Decoder:
         ar = torch.arange(A, device=dev)
         kept_in = in_node[ar, best]          # the tokens the kept draft committed (made by the previous call)
         first_step = torch.where(torch.arange(E, device=dev) < W, run.step[act, None], 0)   # its first step there
-        run.commit_call[act] = torch.where(kept_in, run.calls[act, None], run.commit_call[act])
-        run.commit_step[act] = torch.where(kept_in, first_step, run.commit_step[act])
-        run.commit_source[act] = torch.where(kept_in, 1, run.commit_source[act])
         drafted_conf = run.conf[act] if E == W else torch.cat((run.conf[act], run.ahead_conf[act].to(run.conf.dtype)), -1)
-        run.commit_prob[act] = torch.where(kept_in, drafted_conf.double(), run.commit_prob[act])   # the drafting output's
-        if top is not None:                  # (no --cross-block here: E == W)
+        run.commits.write(kept_in, act, call=run.calls[act, None], step=first_step, source=1,
+                          prob=drafted_conf.double(),                        # the drafting output's
+                          top=None if top is None else run.top[act])         # (no --cross-block here: E == W)
+        if top is not None:
             vtop = top.new_zeros(A * K, E, *top.shape[2:]).index_copy_(0, pair, top[:len(pair), :E])
-            run.commit_top[act] = torch.where(kept_in[..., None, None], run.top[act], run.commit_top[act])
             run.top[act] = vtop.view(A, K, E, *top.shape[2:])[torch.arange(A, device=dev), best]
         run.depth_hist[act] = run.depth_hist[act].scatter_add(1, run.plan.node_size[best][:, None],
                                                               torch.ones_like(best)[:, None])

@@ -80,9 +80,8 @@ def collect_results(batch, block_length: int, seconds, rows=None) -> list[Sequen
     x, start, length = batch.x[idx].cpu(), batch.gen_start[idx].tolist(), kept[idx].tolist()
     lead = ((batch.gen_start[idx] - batch.prompt_width) % block_length).tolist()   # --align sequence: prompt in block 0
     calls, n_rows, stop_at = batch.calls[idx].tolist(), batch.rows[idx].tolist(), batch.stop_at[idx].tolist()
-    c_call, c_step, c_src = batch.commit_call[idx].cpu(), batch.commit_step[idx].cpu(), batch.commit_source[idx].cpu()
-    c_prob = batch.commit_prob[idx].cpu()
-    c_top = None if batch.commit_top is None else batch.commit_top[idx].cpu()
+    rec = batch.commits.take(idx)._map(lambda _, t: t.cpu())
+    c_call, c_step, c_src, c_prob, c_top = rec.call, rec.step, rec.source, rec.prob, rec.top
     depth_hist, nodes_hist = batch.depth_hist[idx].tolist(), batch.nodes_hist[idx].tolist()
     secs = seconds if isinstance(seconds, (list, tuple)) else [seconds] * len(rows)
     out = []
@@ -146,13 +145,13 @@ def final_pieces(batch, run, mask_id: int, sent: list[int]):
     back [B] values and the new tokens (streaming and continuous batching only; generate never
     calls this)."""
     x, final = final_lengths(batch, run, mask_id)
-    span = slice(run.win.lo, run.win.lo + run.commit_prob.shape[1])
-    prob = batch.commit_prob.clone()
-    prob[run.seqs, span] = run.commit_prob                                # the open block's rows
+    span = slice(run.win.lo, run.win.lo + run.commits.prob.shape[1])
+    prob = batch.commits.prob.clone()
+    prob[run.seqs, span] = run.commits.prob                                # the open block's rows
     top = None
-    if batch.commit_top is not None:
-        top = batch.commit_top.clone()
-        top[run.seqs, span] = run.commit_top
+    if batch.commits.top is not None:
+        top = batch.commits.top.clone()
+        top[run.seqs, span] = run.commits.top
     final, start, ended = torch.stack((final, batch.gen_start, ended_rows(batch, run).long())).tolist()  # one read
     pieces, probs, tops = [], [], []
     for b, n in enumerate(final):

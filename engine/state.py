@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -10,6 +11,71 @@ from models import position_ids
 
 from .cache import Window
 from .policies import PolicyState
+
+
+@dataclass
+class Commits:
+    """How each generated position was committed, one record per batch or block ([R, N] tensors, by
+    canvas column; `top` [R, N, k, 2]). A new per-token output is one field here (its fill value in
+    `FILL`), written where the loop commits and read where results are built; `take`, `put`,
+    `write`, `shift` and `cat` move every field together."""
+
+    call: torch.Tensor             # the call whose output committed it (-1: none)
+    step: torch.Tensor             # its step inside the block
+    source: torch.Tensor           # 0 = stage 1, 1 = an accepted draft
+    prob: torch.Tensor             # float64: its confidence in the output that committed it
+    top: torch.Tensor | None = None   # float64 (--top-logprobs k): the (id, probability) of the k most likely
+                                      # tokens in the output that committed it (ids exact in float64)
+
+    FILL: ClassVar[dict] = {"call": -1, "step": -1, "source": 0, "prob": 0.0, "top": 0.0}
+
+    @classmethod
+    def empty(cls, rows: int, columns: int, top_k: int, device) -> "Commits":
+        def full(name, *shape, dtype=torch.long):
+            return torch.full((rows, columns, *shape), cls.FILL[name], dtype=dtype, device=device)
+
+        return cls(full("call"), full("step"), full("source"), full("prob", dtype=torch.float64),
+                   full("top", top_k, 2, dtype=torch.float64) if top_k else None)
+
+    def _map(self, fn) -> "Commits":
+        return Commits(**{f.name: None if getattr(self, f.name) is None else fn(f.name, getattr(self, f.name))
+                          for f in dataclasses.fields(self)})
+
+    def take(self, rows=slice(None), cols=slice(None)) -> "Commits":
+        """A copy of rows `rows` (indices or a slice), columns `cols`."""
+        return self._map(lambda _, t: t[rows, cols])
+
+    def put(self, other: "Commits", rows=slice(None), cols=slice(None)) -> None:
+        """Write `other` into rows `rows`, columns `cols`."""
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                getattr(self, f.name)[rows, cols] = getattr(other, f.name)
+
+    def write(self, where: torch.Tensor, rows=slice(None), cols=slice(None), **values) -> None:
+        """At the positions `where` [R', W'] of rows `rows` and columns `cols`, set each field named
+        in `values` to its value (broadcast to the positions; `top`'s trailing [k, 2] too); a field
+        this record does not keep (top without --top-logprobs) is skipped."""
+        for name, value in values.items():
+            t = getattr(self, name)
+            if t is None:
+                continue
+            at = where if t.dim() == 2 else where[..., None, None]
+            t[rows, cols] = torch.where(at, value, t[rows, cols])
+
+    def shift(self, left: int, right: int) -> "Commits":
+        """`left` fill columns before the first (removed if negative), `right` after the last."""
+        def moved(name, t):
+            R, N = t.shape[:2]
+            t = t[:, max(0, -left):N - max(0, -right)]
+            return torch.cat([t.new_full((R, max(0, left), *t.shape[2:]), self.FILL[name]), t,
+                              t.new_full((R, max(0, right), *t.shape[2:]), self.FILL[name])], 1)
+
+        return self._map(moved)
+
+    @staticmethod
+    def cat(a: "Commits", b: "Commits") -> "Commits":
+        """The rows of `a`, then of `b` (same columns)."""
+        return a._map(lambda name, t: torch.cat((t, getattr(b, name).to(t.dtype))))
 
 
 @dataclass
@@ -31,10 +97,7 @@ class Batch:
     calls: torch.Tensor            # [B] model calls each sequence took part in
     rows: torch.Tensor             # [B] canvases evaluated for it (drafts count)
     stop_at: torch.Tensor          # [B] column of the stop token, -1 while none
-    commit_call: torch.Tensor      # [B, N] per generated position: the call that committed it (-1: none)
-    commit_step: torch.Tensor      # [B, N] its step inside the block
-    commit_source: torch.Tensor    # [B, N] 0 = stage 1, 1 = an accepted draft
-    commit_prob: torch.Tensor      # [B, N] float64: its confidence in the output that committed it
+    commits: Commits               # [B, N] per generated position: how it was committed
     depth_hist: torch.Tensor       # [B, D + 1] accepted depth per verification call
     nodes_hist: torch.Tensor       # [B, K + 1] graph nodes verified per verification call (draft budget)
     carry_pred: torch.Tensor       # [B, L] --cross-block: the next block's prediction by the call that
@@ -43,9 +106,6 @@ class Batch:
     carry_step: torch.Tensor       # [B] the step inside the next block its kept draft reached
     policy_state: PolicyState | None = None   # the policy's per-sequence state (Policy.init_state)
     pad_id: int = 0                # the token at padded columns (never the mask id)
-    commit_top: torch.Tensor | None = None   # [B, N, k, 2] float64 (--top-logprobs k): per position, the
-                                             # (id, probability) of the k most likely tokens in the output
-                                             # that committed it (ids exact in float64), most likely first
     out_len: torch.Tensor | None = None      # [B] generated positions a result keeps (None: gen_len); fewer
                                              # with --align sequence, whose last block runs past gen length
     retired: torch.Tensor | None = None      # [B] bool: the row left the batch inside a block (Decoder.leave):
@@ -61,8 +121,7 @@ class Batch:
     # ---------------------------------------------------------------- rows leave and join (engine.live)
     def _columns(self):
         """(name, value at a padded column) of every [B, N] tensor."""
-        return (("x", self.pad_id), ("valid", False), ("commit_call", -1), ("commit_step", -1),
-                ("commit_source", 0), ("commit_prob", 0.0), ("commit_top", 0.0))
+        return (("x", self.pad_id), ("valid", False))
 
     def _rows(self):
         return ("gen_start", "gen_len", "out_len", "retired", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
@@ -75,6 +134,7 @@ class Batch:
             v = getattr(self, name)
             kw[name] = None if v is None else v[rows]
         kw["policy_state"] = None if self.policy_state is None else self.policy_state.take(rows)
+        kw["commits"] = self.commits.take(rows)
         return Batch(**kw)
 
     def shift(self, left: int, right: int, position_ids) -> "Batch":
@@ -96,6 +156,7 @@ class Batch:
         kw["cursor"], kw["prompt_width"] = self.cursor + left, self.prompt_width + left
         kw["pos"] = position_ids(kw["valid"])
         kw["policy_state"] = None if self.policy_state is None else self.policy_state.shift(left, right)
+        kw["commits"] = self.commits.shift(left, right)
         return Batch(**kw)
 
     def trimmed(self, position_ids) -> "Batch":
@@ -121,6 +182,7 @@ def join(a: Batch, b: Batch, position_ids) -> Batch:
         va, vb = getattr(a, name), getattr(b, name)
         kw[name] = None if va is None else torch.cat((va, vb.to(va.dtype)))
     kw["policy_state"] = None if a.policy_state is None else a.policy_state.join(b.policy_state)
+    kw["commits"] = Commits.cat(a.commits, b.commits)
     return Batch(**kw)
 
 
@@ -144,10 +206,7 @@ class BlockRun:
     step: torch.Tensor             # [S] step index inside the block
     stop_at: torch.Tensor          # [S] column of the stop token, -1 while none
     pending: torch.Tensor          # [S] still needs a call on this block
-    commit_call: torch.Tensor      # [S, W + ahead] (--cross-block: drafts reach the next block)
-    commit_step: torch.Tensor
-    commit_source: torch.Tensor
-    commit_prob: torch.Tensor
+    commits: Commits               # [S, W + ahead] (--cross-block: drafts reach the next block)
     depth_hist: torch.Tensor       # [S, D + 1]
     failed: torch.Tensor           # [S] 0, or why the row stopped making progress (engine.progress.guard_progress)
     failed_call: torch.Tensor      # [S] the call whose output it could not use, -1 while none
@@ -160,7 +219,6 @@ class BlockRun:
     ahead_ok: torch.Tensor | None = None     # [S] bool: ahead_* hold the latest output's next block
     policy_state: PolicyState | None = None  # its rows' Batch.policy_state, columns cut to [S, W + ahead]
     top: torch.Tensor | None = None          # [S, W, k, 2] the latest output's k most likely (id, prob) (--top-logprobs)
-    commit_top: torch.Tensor | None = None   # [S, W, k, 2] as Batch.commit_top
     post: torch.Tensor | None = None         # [S] token editing (Policy.edits): editing passes taken on the
                                              # block after its last mask was filled; None without editing
     noise: object = None                     # uniform-noise models: the block's denoising state (uniform.Canvas)
@@ -202,7 +260,7 @@ def state_of(run: BlockRun, rows=slice(None), span=slice(None)) -> PolicyState |
 def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_length: int, depth: int,
               nodes: int, device, top_logprobs: int = 0, aligned: bool = False) -> Batch:
     """Prompts left-padded to one width, then `gen_length` masks (one length, or one per prompt:
-    shorter ones are right-padded); every statistic at zero (`commit_top` only with `top_logprobs`).
+    shorter ones are right-padded); every statistic at zero (`commits.top` only with `top_logprobs`).
 
     `aligned` (--align sequence): blocks are counted from each sequence's first token. A row's
     prompt then starts at a block boundary of the batch's grid, so the block holding its prompt's
@@ -229,10 +287,8 @@ def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_l
     return Batch(x=x, valid=valid, pos=position_ids(mc, valid), prompt_width=P,
                  gen_start=torch.tensor(lead, device=device) + P,
                  gen_len=torch.tensor(decoded, device=device), cursor=P, calls=zeros(B), rows=zeros(B),
-                 stop_at=zeros(B) - 1, commit_call=zeros(B, N) - 1, commit_step=zeros(B, N) - 1,
-                 commit_source=zeros(B, N), commit_prob=zeros(B, N, dtype=torch.float64),
+                 stop_at=zeros(B) - 1, commits=Commits.empty(B, N, top_logprobs, device),
                  depth_hist=zeros(B, depth + 1), nodes_hist=zeros(B, nodes + 1),
                  carry_pred=zeros(B, block_length), carry_conf=zeros(B, block_length, dtype=torch.float32),
                  carry_ok=zeros(B, dtype=torch.bool), carry_step=zeros(B), pad_id=pad,
-                 commit_top=zeros(B, N, top_logprobs, 2, dtype=torch.float64) if top_logprobs else None,
                  out_len=torch.tensor(lengths, device=device))

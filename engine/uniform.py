@@ -175,8 +175,7 @@ class UniformNoise:
             gen_start=batch.gen_start, x=batch.x.clone(), valid=batch.valid, pos=batch.pos, cache=None,
             pred=zeros(B, L), conf=zeros(B, L, dtype=torch.float32), calls=batch.calls.clone(),
             rows=batch.rows.clone(), step=zeros(B), stop_at=batch.stop_at.clone(), pending=zeros(B, dtype=torch.bool),
-            commit_call=batch.commit_call[:, span].clone(), commit_step=batch.commit_step[:, span].clone(),
-            commit_source=batch.commit_source[:, span].clone(), commit_prob=batch.commit_prob[:, span].clone(),
+            commits=batch.commits.take(seqs, span),
             depth_hist=batch.depth_hist.clone(), failed=zeros(B), failed_call=zeros(B) - 1,
             nodes_hist=batch.nodes_hist.clone(), plan=dec.full_plan)
         run.noise = Canvas(canvas=canvas, argmax=canvas, done=zeros(B, dtype=torch.bool),
@@ -271,9 +270,8 @@ class UniformNoise:
         run.x[:, lo:lo + L] = tokens
         prob = st.sc.float().softmax(-1).gather(-1, st.argmax[..., None])[..., 0].double()
         fresh = ~before
-        run.commit_call[:, :L] = torch.where(fresh[:, None], run.calls[:, None], run.commit_call[:, :L])
-        run.commit_step[:, :L] = torch.where(fresh[:, None], st.steps[:, None] - 1, run.commit_step[:, :L])
-        run.commit_prob[:, :L] = torch.where(fresh[:, None], prob, run.commit_prob[:, :L])
+        run.commits.write(fresh[:, None].expand(-1, L), cols=slice(0, L), call=run.calls[:, None],
+                          step=st.steps[:, None] - 1, prob=prob)
         run.pending = torch.zeros_like(run.pending)
 
 
