@@ -119,7 +119,7 @@ def build_random(config: ModelConfig, device, dtype: torch.dtype, seed: int = 0,
 class UniformCalls:
     """A uniform-noise model's calls (DiffusionGemma, docs/algorithms.md §9) in a cache mode's shape,
     made by the engine's own stages (engine/uniform.py): `start` is the encoder over the prefix (the
-    KV that opening a block writes, `UniformNoise._encode`), `call` the decoder over canvases, over
+    KV that opening a block writes, `UniformNoise.encode`), `call` the decoder over canvases, over
     that KV, with a self-conditioning input (`UniformNoise.call`, a denoising step after the first).
     A canvas row reads its own cache row (the engine's call over that many sequences)."""
 
@@ -134,7 +134,7 @@ class UniformCalls:
         from types import SimpleNamespace
 
         batch = SimpleNamespace(x=x, valid=valid, pos=pos, memory=None)
-        self.uniform._encode(batch, win.lo)
+        self.uniform.encode(batch, win.lo)
         return None, batch.memory[0]
 
     def rows(self, kv, seq_rows: torch.Tensor):

@@ -138,7 +138,7 @@ class UniformNoise:
         return {f.name: getattr(self.s, f.name) for f in fields(self.s)}
 
     # ------------------------------------------------------------------ open a block
-    def _encode(self, batch, upto: int) -> None:
+    def encode(self, batch, upto: int) -> None:
         """The encoder over the batch's columns not yet encoded, before `upto`: its KV joins the
         batch's cache (`Batch.memory`: (cache, columns encoded))."""
         cache, start = batch.memory if batch.memory is not None else (None, 0)
@@ -162,7 +162,7 @@ class UniformNoise:
             return None
         L, lo = self.dc.block_length, batch.cursor
         B, dev = batch.x.shape[0], batch.x.device
-        self._encode(batch, lo)
+        self.encode(batch, lo)
         canvas = torch.randint(0, self.V, (B, L), generator=self.gen, device=dev)
 
         def zeros(*shape, dtype=torch.long):
