@@ -209,3 +209,35 @@ def test_simulate_refuses_a_mismatched_acceptance_model(shape, model, dg, tmp_pa
     rc, _, err = _run(speed.main, argv, capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+
+
+@pytest.mark.slow
+def test_server_answers_what_the_api_decodes(dg, tmp_path):
+    """engine.serve on a DiffusionGemma checkpoint: static batching by default, the request's seed
+    decodes what `engine.generate` decodes with it (cut at max_tokens); masked-only request fields
+    are a 400 naming them; `--batching continuous` is refused at start-up in one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    from support import ServerProcess, start_servers
+
+    running = start_servers(ServerProcess(tmp_path, "--model", str(dg)))
+    (server,) = next(running)
+    try:
+        tok = Tokenizer(dg)
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": dg.name, "prompt": "t5 t9 t3", "max_tokens": 12, "seed": 3})
+        assert r.status_code == 200, r.text
+        want = engine.generate(load_model(dg), [tok.encode("t5 t9 t3")], seed=3, gen_length=12)[0].token_ids[:12]
+        assert r.json()["choices"][0]["text"] == tok.decode(want) and r.json()["psd"]["method"].startswith("eb")
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": dg.name, "prompt": "t5", "max_tokens": 4, "temperature": 0.7})
+        assert r.status_code == 400 and "temperature does not apply" in r.text
+    finally:
+        running.close()
+    r = subprocess.run([sys.executable, "-m", "engine.serve", "--model", str(dg), "--batching", "continuous"],
+                       cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "continuous batching does not decode" in r.stderr

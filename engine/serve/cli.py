@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse unknown request fields with 400 (default: ignore them, naming them in the "
                         "X-PSD-Ignored-Fields header and the log)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
-    p.add_argument("--method", default="greedy", choices=list(METHODS),
-                   help="default decoding method; requests may choose another")
+    p.add_argument("--method", choices=list(METHODS),
+                   help="default decoding method; requests may choose another (default: greedy; eb on a "
+                        "uniform-noise model, diffusion_gemma, the only method it decodes)")
     add_decoding_flags(p)
     add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="model weights' dtype")
@@ -72,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{MAX_BODY_BYTES} = {MAX_BODY_BYTES >> 20} MiB)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0,
                    help="--batching static: when idle, wait this long after a request for others to decode with it")
-    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
-                   help="continuous: requests join a running batch at block boundaries and leave when done; "
-                        "static: a batch is decoded from start to end before the next one starts")
+    p.add_argument("--batching", choices=("continuous", "static"),
+                   help="continuous (default): requests join a running batch at block boundaries and leave when "
+                        "done; static (the default on a uniform-noise model, whose draws are the batch's): a batch "
+                        "is decoded from start to end before the next one starts")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     p.add_argument("--access-log", action="store_true", help="log every request")

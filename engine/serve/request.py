@@ -18,6 +18,7 @@ from typing import Callable
 from models import CheckpointError, ModelConfig, Tokenizer
 
 from ..config import DecodeConfig, check_prompts
+from ..uniform import for_model
 from ..errors import InputError
 from ..options import MAX_TOP_LOGPROBS, OPTIONS
 from ..results import SequenceResult
@@ -124,7 +125,7 @@ def openai_fields(body: dict, chat: bool, lim: Limits) -> Fields:
 def _specs(f: Fields, opts: dict, merged: dict, prompts: list, ignored: tuple, chat: bool, lim: Limits) -> list[Spec]:
     specs = []
     seed = merged.get("seed")
-    sampled = merged.get("temperature", 0) > 0
+    sampled = merged.get("temperature", 0) > 0 or lim.mc.mask_token_id is None   # uniform noise always samples
     if sampled and seed is None:       # unseeded sampling: a fresh seed per request (reported)
         seed = lim.draw_seed()
     for i, (ids, text) in enumerate(prompts):
@@ -303,4 +304,4 @@ def decode_config(opts: dict, merged: dict, max_tokens: int | None, prompt_len: 
         raise InputError(f"the prompt of {prompt_len} tokens plus max_tokens {max_tokens} (decoded as {gen} "
                          f"tokens, a multiple of the block length {block}) exceeds the model's maximum "
                          f"length {mc.max_length}")
-    return DecodeConfig(**merged).validate(), max_tokens
+    return for_model(mc, DecodeConfig(**merged)).validate(), max_tokens

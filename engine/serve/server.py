@@ -13,6 +13,7 @@ from models import CheckpointError, ModelConfig, Tokenizer
 from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device
 from ..config import DecodeConfig
 from ..errors import InputError
+from ..uniform import check_batchable, for_model
 from ..options import OPTIONS
 from .protocol import MAX_N, Spec, one_line, size_problem
 from .request import Limits, parse_request
@@ -29,9 +30,10 @@ class Server:
         if not self.model_dir.is_dir():
             raise CheckpointError(f"model directory {self.model_dir} does not exist or is not a directory")
         self.mc = ModelConfig.from_dir(self.model_dir)
-        if self.mc.mask_token_id is None:       # refused before the server listens, never per request
-            raise InputError(f"engine.serve does not serve a {self.mc.family} model yet (uniform-noise diffusion "
-                             f"decodes through engine.generate and the Python API; docs/algorithms.md §9)")
+        self.uniform = self.mc.mask_token_id is None          # DiffusionGemma: docs/algorithms.md §9
+        batching = getattr(args, "batching", None) or ("static" if self.uniform else "continuous")
+        if self.uniform and batching == "continuous":      # refused before the server listens, never per request
+            check_batchable(self.mc)
         self.tok = Tokenizer(self.model_dir)
         if args.chat_template is not None:
             self._set_chat_template(args.chat_template)
@@ -43,11 +45,11 @@ class Server:
             raise InputError(f"{OPTIONS[problem[0]].flag}: {problem[1]}")
         for name, value in self.mc.generation_defaults.items():   # the checkpoint's suggestion
             opts.setdefault(name, value)
-        self.defaults = {"method": args.method, **opts}
-        self._check_flags(DecodeConfig(**self.defaults).validate())   # bad server flags fail before it starts
+        self.defaults = {"method": args.method or ("eb" if self.uniform else "greedy"), **opts}
+        self._check_flags(for_model(self.mc, DecodeConfig(**self.defaults)).validate())   # fails before it starts
         self.status, self.error = "loading", None
         self.max_choices = min(getattr(args, "max_choices", MAX_N), args.max_queue)
-        self.scheduler = make_scheduler(getattr(args, "batching", "continuous"), args.max_queue, args.max_batch,
+        self.scheduler = make_scheduler(batching, args.max_queue, args.max_batch,
                                         args.batch_wait_ms / 1000)
         self.created = int(time.time())
         self.exit_code = 0
@@ -106,7 +108,9 @@ class Server:
                                device=tp.device if tp else resolve_device(self.args.device), tp=tp)
             Decoder(model, DecodeConfig(**self.defaults))   # the server's default decoder: every check of
             # engine.generate (--compile's compiler, --cuda-graphs' options, ...) before /health says ok
-            decoder_class()(model, DecodeConfig(gen_length=1, block_length=1)).generate(
+            warm = DecodeConfig(gen_length=1, max_denoising_steps=1) if self.uniform else \
+                DecodeConfig(gen_length=1, block_length=1)
+            decoder_class()(model, warm).generate(
                 [self.tok.encode("a") or [self.mc.eos_token_id]])
             self.model = model
             print(f"model {self.name} loaded on {model.device} in {time.perf_counter() - t0:.1f} s; ready",
