@@ -174,14 +174,16 @@ class UniformNoise:
             index=(lo - batch.prompt_width) // L, seqs=seqs, win=Window(batch.prompt_width, L, lo, L),
             gen_start=batch.gen_start, x=batch.x.clone(), valid=batch.valid, pos=batch.pos, cache=None,
             pred=zeros(B, L), conf=zeros(B, L, dtype=torch.float32), calls=batch.calls.clone(),
-            rows=batch.rows.clone(), step=zeros(B), stop_at=batch.stop_at.clone(), pending=zeros(B, dtype=torch.bool),
+            rows=batch.rows.clone(), step=zeros(B), stop_at=batch.stop_at.clone(), pending=zeros(B, dtype=torch.bool) | True,
             commits=batch.commits.take(seqs, span),
             depth_hist=batch.depth_hist.clone(), failed=zeros(B), failed_call=zeros(B) - 1,
             nodes_hist=batch.nodes_hist.clone(), plan=dec.full_plan)
         run.noise = Canvas(canvas=canvas, argmax=canvas, done=zeros(B, dtype=torch.bool),
                            left=self.s.max_denoising_steps, steps=zeros(B))
         run.cache = batch.memory[0]
-        self.call(run, seqs)
+        if batch.retired is not None:                  # rows that left (Decoder.leave) take no call; the
+            run.pending &= ~batch.retired              # draws stay the batch's shapes
+        self.call(run, run.pending.nonzero()[:, 0])
         return run
 
     # ------------------------------------------------------------------ a decoder call
@@ -228,7 +230,7 @@ class UniformNoise:
         st.sc[act] = processed.to(self.model.dtype)
         self._stop(st, act, entropy)
         st.left -= 1
-        run.pending = ~st.done & (st.left >= 1)
+        run.pending = run.pending & ~st.done & (st.left >= 1)      # a retired row (Decoder.leave) stays out
         run.step = st.steps.clone()
 
     def _stop(self, st: Canvas, act, entropy) -> None:
