@@ -183,6 +183,8 @@ class UniformNoise:
         run.cache = batch.memory[0]
         if batch.retired is not None:                  # rows that left (Decoder.leave) take no call; the
             run.pending &= ~batch.retired              # draws stay the batch's shapes
+            if not run.pending.any():
+                return None
         self.call(run, run.pending.nonzero()[:, 0])
         return run
 
