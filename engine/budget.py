@@ -2,9 +2,10 @@
 
 A `CostModel` (engine/cost.py) gives the milliseconds of one verification call as a function of
 the canvases it holds (rows of the whole batch). It is measured on the decoder's own rows at the
-first block it plans (a few calls of 1..K rows per sequence, the fastest of three each; cached
-per model, cache mode, block length and canvas length, so later decoders of the same shape pay
-nothing) and then scaled per node count by the measured wall time of the blocks decoded with it
+first block it plans (a few calls of 1..K rows per sequence, the fastest of three each; kept per
+model shape, dtype, device, threads, cache mode, block length and canvas length, in this process
+and on disk (engine/cost.py `store_dir`: $PSD_COST_CACHE, default ~/.cache/psd-engine/cost), so
+later decoders and later runs of the same shape on the same machine pay nothing) and then scaled per node count by the measured wall time of the blocks decoded with it
 (what a step costs beyond the model call: drafting, selection, bookkeeping); or read from a
 `bench.speed --cost-curve` profile (`--cost-profile PATH`), or given explicitly (both used as they
 are, so the choices are reproducible).
@@ -31,12 +32,20 @@ import torch
 
 from models.parallel import agree
 
-from .cost import CostModel, measure, read_profile
+from .cost import CostModel, load_curve, measure, read_profile, save_curve
 from .graph import DraftGraph, Plan, make_plan
 
 PRIOR_Q, PRIOR_WEIGHT = 0.8, 4.0
 MARGIN = 1.05           # a dearer set must promise 5% more tokens per ms: the policy alone is the safe side
 _MEASURED: dict[tuple, CostModel] = {}         # measured curves, shared by decoders of one shape
+
+
+def shape_key(mc) -> tuple:
+    """What a call's cost depends on in a model config: its shapes (not its weights or token ids)."""
+    return (mc.family, mc.vocab_size, mc.hidden_size, mc.intermediate_size, mc.num_layers, mc.num_heads,
+            mc.num_kv_heads, mc.head_dim, mc.attention, mc.num_experts, mc.num_experts_per_tok,
+            mc.moe_intermediate_size, mc.shared_intermediate_size, mc.first_dense_layers, tuple(mc.layer_types),
+            mc.sliding_window, mc.full_head_dim, mc.full_kv_heads)
 
 
 class DraftBudget:
@@ -205,7 +214,7 @@ class DraftBudget:
         canvases per call than it covers."""
         key = self.key + (1 << (run.x.shape[1] - 1).bit_length(),)     # canvas length, to a power of 2
         S, K = run.seqs.numel(), len(self.full)
-        have = _MEASURED.get(key)
+        have = _MEASURED.get(key) or load_curve(key)         # this process, else an earlier one (cost.py)
         if have is None or have.n[-1] < S * K:
             counts = sorted({r for r in range(1, K + 1)} | {S * r for r in range(1, K + 1)})
             new = measure(lambda n: call(torch.arange(n, device=run.x.device) % S), counts, run.x.device)
@@ -213,5 +222,7 @@ class DraftBudget:
                 pts = dict(zip(have.n, have.ms_at))
                 pts.update(zip(new.n, new.ms_at))
                 new = CostModel(list(pts), list(pts.values()), "measured")
+            save_curve(key, new)
             _MEASURED[key] = have = new
+        _MEASURED[key] = have
         return have

@@ -7,7 +7,11 @@ own rows; `CostModel.from_profile` reads what `python -m bench.speed --cost-curv
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -117,3 +121,59 @@ def measure(call, counts: list[int], device, reps: int = 3) -> CostModel:
                 torch.cuda.synchronize(device)
             best[n] = min(best[n], (time.perf_counter() - t0) * 1e3)
     return CostModel(counts, [best[n] for n in counts], "measured")
+
+
+# ---------------------------------------------------------------------- measured curves, kept across runs
+STORE_FORMAT = "psd-cost-store/1"
+
+
+def store_dir() -> Path | None:
+    """Where measured cost curves are kept between processes: $PSD_COST_CACHE ("off": nowhere),
+    else $XDG_CACHE_HOME/psd-engine/cost (default ~/.cache/psd-engine/cost)."""
+    env = os.environ.get("PSD_COST_CACHE")
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "psd-engine" / "cost"
+
+
+def host_key(device) -> tuple:
+    """What a call's cost depends on besides the model and its shapes: the device (its name on
+    CUDA), the CPU and its threads, torch's version."""
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+    return (dev.type, name, torch.get_num_threads(), torch.__version__)
+
+
+def _path(key: tuple) -> Path | None:
+    where = store_dir()
+    return None if where is None else where / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".json")
+
+
+def load_curve(key: tuple) -> CostModel | None:
+    """The curve measured earlier for `key`, or None (none kept, the store off, or a file that is
+    not one: it is measured again and replaced, never an error)."""
+    path = _path(key)
+    try:
+        raw = json.loads(path.read_text()) if path is not None and path.is_file() else None
+        if not raw or raw.get("format") != STORE_FORMAT or raw.get("key") != repr(key):
+            return None
+        return CostModel(raw["canvases"], raw["ms"], f"measured earlier ({path})")
+    except (OSError, ValueError, KeyError, TypeError, InputError):
+        return None
+
+
+def save_curve(key: tuple, model: CostModel) -> None:
+    """Keep `model` for later processes (best effort: a read-only or full disk only costs a
+    measurement next time). Written to a temporary file, then renamed: readers never see half."""
+    path = _path(key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": STORE_FORMAT, "key": repr(key), "canvases": model.n,
+                                   "ms": model.ms_at}))
+        os.replace(tmp, path)
+    except OSError:
+        pass

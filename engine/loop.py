@@ -27,7 +27,8 @@ import psd_kernels
 from models import Transformer, position_ids
 
 from .ahead import carry_over, draft_across, first_output, keep_ahead
-from .budget import DraftBudget
+from .budget import DraftBudget, shape_key
+from .cost import host_key
 from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts
 from .errors import InputError
@@ -71,7 +72,9 @@ class Decoder:
         self.full_plan = make_plan(self.graph, list(range(len(self.graph))), selection, dev)  # every node
         self.budget = None if self.dc.draft_budget != "auto" else DraftBudget(
             self.graph, selection, dev, cost_model, self.dc.cost_profile, self.dc.cache,
-            key=(id(model), str(dev), str(model.tok_embeddings.weight.dtype), self.dc.cache, self.dc.block_length))
+            key=(shape_key(self.mc), *host_key(dev), str(model.tok_embeddings.weight.dtype), self.dc.cache,
+                 self.dc.block_length, getattr(model, "tp", None) and model.tp.world, bool(self.dc.compile),
+                 bool(self.dc.cuda_graphs), bool(self.dc.static_rows)))
         self.sampler = Sampler(self.dc, self.mc, dev)      # logits -> tokens: the one home of sampling
         # uniform-noise models (no mask token): the paradigm's stages replace the masked ones (engine/uniform.py)
         self.uniform = UniformNoise(model, self.dc, self.mc) if self.mc.mask_token_id is None else None

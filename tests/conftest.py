@@ -22,6 +22,9 @@ import sys
 
 THREADS = int(os.environ.get("PSD_TEST_THREADS") or 1)
 os.environ["OMP_NUM_THREADS"] = str(THREADS)      # before torch loads, here and in every child
+# measured call costs (--draft-budget auto) are not kept between tests or runs: each test measures its
+# own (tests/test_budget.py turns the store on in a temporary directory)
+os.environ.setdefault("PSD_COST_CACHE", "off")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

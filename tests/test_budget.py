@@ -186,3 +186,36 @@ def test_cli_budget_flags(model, tmp_path, capsys):
                      "Question: 14+27? Answer: "]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "draft_nodes" in out and sum(out["draft_nodes"].values()) > 0
+
+
+def test_measured_costs_are_kept_for_later_runs(model, tmp_path, monkeypatch):
+    """With the store on, the first decoder of a shape measures and writes its curve; a later one
+    (a later process: the in-process curves cleared) reads it and makes no measuring call; a file
+    that is not a curve is measured again and replaced, never an error."""
+    from engine import budget, cost
+
+    monkeypatch.setenv("PSD_COST_CACHE", str(tmp_path / "store"))
+    monkeypatch.setattr(budget, "_MEASURED", {})
+    forward, calls = model.forward, []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return forward(*a, **k)
+
+    monkeypatch.setattr(model, "forward", counted)
+    dec, res = _run(model, None, method="psd", depth=2, draft_budget="auto", cache="dual")
+    first = len(calls)
+    files = list((tmp_path / "store").glob("*.json"))
+    assert dec.budget.cost.source == "measured" and len(files) == 1
+    monkeypatch.setattr(budget, "_MEASURED", {})
+    calls.clear()
+    dec2, res2 = _run(model, None, method="psd", depth=2, draft_budget="auto", cache="dual")
+    assert dec2.budget.cost.source.startswith("measured earlier")
+    assert dec2.budget.cost.ms_at == dec.budget.cost.ms_at
+    assert [r.token_ids for r in res2] == [r.token_ids for r in res]
+    assert len(calls) < first                                # the same decode, without the measuring calls
+    files[0].write_text("{not json")
+    monkeypatch.setattr(budget, "_MEASURED", {})
+    dec3, _ = _run(model, None, method="psd", depth=2, draft_budget="auto", cache="dual")
+    assert dec3.budget.cost.source == "measured" and cost.load_curve is not None
+    assert json.loads(files[0].read_text())["format"] == cost.STORE_FORMAT
