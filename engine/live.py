@@ -1,4 +1,4 @@
-"""Continuous batching: sequences join a running batch at block boundaries and leave it when they
+"""Continuous batching: sequences join a running batch between two model calls and leave it when they
 are done or cancelled (docs/loop.md, "Continuous batching").
 
 A `LiveBatch` is a short loop over `Decoder.step` (one model call each) on one running batch
@@ -14,7 +14,7 @@ state, per row, to the next), so a sequence decodes as it would alone: at temper
 tokens are those of a single-request run.
 
     live = LiveBatch(Decoder(model, config), max_rows=32)
-    h = live.add(prompt_ids)                  # joins at the next block boundary
+    h = live.add(prompt_ids)                  # joins with the next step (its first call made then)
     while (update := live.step()) is not None:     # one model call per step
         update.pieces.get(h)                  # tokens that became final with that call
         update.probs.get(h)                   # and their commit_prob
@@ -67,7 +67,8 @@ class LiveBatch:
 
     # ------------------------------------------------------------------ the caller's side
     def add(self, prompt_ids, gen_length: int | None = None) -> int:
-        """Queue one sequence (token ids); it joins at the next block boundary. Checked now: an
+        """Queue one sequence (token ids); it joins with the next step (at the next block boundary where
+        `Decoder.joins_inside_a_block` is False). Checked now: an
         InputError for a bad prompt or length."""
         dc = self.dec.dc
         g = dc.gen_length if gen_length is None else gen_length
@@ -109,6 +110,9 @@ class LiveBatch:
                     self.state = None
                     update, self._ended = self._ended, LiveUpdate()
                     return update
+            elif self.waiting and self._room() > 0 and self.dec.joins_inside_a_block:
+                self._admit(time.perf_counter())                # joins the open block: their first call
+                break
             if self.dec.step(self.state):
                 break
         batch, run = self.state.batch, self.state.run
@@ -159,19 +163,26 @@ class LiveBatch:
         now = time.perf_counter()
         if self.state is not None and self.handles:
             self._leave(now)
-        room = len(self.waiting) if self.max_rows is None else self.max_rows - len(self.handles)
-        if room > 0 and self.waiting:
-            joining, self.waiting = self.waiting[:room], self.waiting[room:]
-            prompts, lengths = [p for _, p, _ in joining], [g for _, _, g in joining]
-            if self.state is None:
-                self.state = self.dec.start(prompts, lengths, live=True)
-            else:
-                self.dec.join(self.state, prompts, lengths)
-            for h, _, _ in joining:
-                self.handles.append(h)
-                self.sent[h], self.joined[h] = 0, now
+        if self._room() > 0 and self.waiting:
+            self._admit(now)
         if not self.handles:
             self.state = None
+
+    def _room(self) -> int:
+        return len(self.waiting) if self.max_rows is None else self.max_rows - len(self.handles)
+
+    def _admit(self, now: float) -> None:
+        """Waiting sequences join, as many as there is room for: at a block boundary, or into the
+        open block (`Decoder.join` makes their first call at once)."""
+        joining, self.waiting = self.waiting[:self._room()], self.waiting[self._room():]
+        prompts, lengths = [p for _, p, _ in joining], [g for _, _, g in joining]
+        if self.state is None:
+            self.state = self.dec.start(prompts, lengths, live=True)
+        else:
+            self.dec.join(self.state, prompts, lengths)
+        for h, _, _ in joining:
+            self.handles.append(h)
+            self.sent[h], self.joined[h] = 0, now
 
     def _leave(self, now: float) -> None:
         """Collect the rows that are done (a stop token, or no block left) and drop those and the
@@ -181,6 +192,7 @@ class LiveBatch:
         gone = self.cancelled | self.answered                    # leave without a result (now)
         out = [b for b, h in enumerate(self.handles) if done[b] or h in gone]
         if not out:
+            self.dec.leave(self.state, [])           # trimmed: rows that joined inside a block widened it
             return
         finished = [b for b in out if self.handles[b] not in gone]
         if finished:          # rows that ended in no call of theirs (e.g. a block ETE had filled)

@@ -18,6 +18,7 @@ a call); never one value per position, draft or node.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 
@@ -326,30 +327,82 @@ class Decoder:
             self._verify(run, act, *self._draft(run, act, masked))
         return True
 
+    @property
+    def joins_inside_a_block(self) -> bool:
+        """Can rows join while a block is open? Not with --draft-budget auto (its plan and its
+        timings are per block), --cross-block (the block's first output may be a carried one), a
+        uniform-noise model (its draws are the batch's) or tensor parallelism (the other ranks hold the
+        block's cache as it was opened): those join at the next block boundary."""
+        return self.budget is None and not self.dc.cross_block and self.uniform is None and \
+            getattr(self.model, "tp", None) is None
+
     def join(self, state: BatchState, prompts, gen_lengths: list[int]) -> None:
-        """Rows join `state` at a block boundary: each new row's first block opens at the batch's
-        cursor with the others' next one (`engine.state.join` pads whichever side is shorter)."""
-        if state.run is not None:
-            raise InputError("rows join a running batch at a block boundary (state.run is open)")
+        """Rows join `state`: each new row's first block opens at the batch's cursor, where the
+        others' current (or next) block is (`engine.state.join` pads whichever side is shorter).
+        At a block boundary that is all; inside an open block (`joins_inside_a_block`) the new rows
+        take their block's first call now — one model call of the new rows — and then step with
+        the others."""
         new = self.start(prompts, gen_lengths).batch
         pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
-        state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos)
+        if state.batch is None or state.run is None:
+            state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos)
+            return
+        if not self.joins_inside_a_block:
+            raise InputError("rows join this running batch at a block boundary (state.run is open)")
+        old, run = state.batch, state.run
+        merged = join(old, new, pos)                # no trimming while the block is open: its columns stay
+        left = merged.cursor - old.cursor
+        self._widen(run, merged, left, merged.x.shape[1] - old.x.shape[1] - left)
+        state.batch = merged
+        rows = torch.arange(old.x.shape[0], merged.x.shape[0], device=merged.x.device)
+        fresh = self._open_block(merged.take(rows))     # the new rows' first call
+        if fresh is not None:
+            fresh.seqs = rows[fresh.seqs]
+            state.run = run.joined(fresh)
+
+    def _widen(self, run: BlockRun, batch: Batch, left: int, right: int) -> None:
+        """The open block's rows on `batch`'s wider canvas: `left` columns before (prompts of rows
+        that joined are longer), `right` after; their cached keys padded with invisible ones."""
+        if not left and not right:
+            return
+        N = run.x.shape[1]
+        run.x = torch.cat((run.x.new_full((len(run.seqs), left), batch.pad_id), run.x,
+                           run.x.new_full((len(run.seqs), right), batch.pad_id)), 1)
+        run.valid = batch.valid[run.seqs]
+        # positions stay those the block's cached keys were computed at (RoPE is relative; the new
+        # columns are padding): the next block's first call takes the batch's, and a fresh cache
+        run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
+        run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left)
+        if run.cache is not None:
+            have = run.cache.key_mask.shape[1]
+            front = left                                 # every mode caches from column 0 on
+            back = len(self.cache_mode.cached_positions(run.win, N + left + right, run.x.device)) - have - front
+
+            def pad(t, fill):
+                shape = list(t.shape)
+                dim = 2 if t.dim() == 4 else 1
+                parts = [t.new_full(shape[:dim] + [front] + shape[dim + 1:], fill), t,
+                         t.new_full(shape[:dim] + [back] + shape[dim + 1:], fill)]
+                return torch.cat(parts, dim)
+
+            run.cache = dataclasses.replace(run.cache, layers=[(pad(k, 0), pad(v, 0)) for k, v in run.cache.layers],
+                                            key_mask=pad(run.cache.key_mask, False))
 
     def leave(self, state: BatchState, rows: list[int]) -> None:
         """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep
         their order, the canvas is trimmed; no row left: `state.batch` is None); in an open block
         they take no further call, in this block or any later one (a caller may drop them at the next
         boundary; their results stay what was settled)."""
-        if not rows:
-            return
         if state.run is not None:
+            if not rows:
+                return
             gone = torch.tensor(rows, device=state.run.seqs.device)
             state.run.retire(torch.isin(state.run.seqs, gone))
             b = state.batch
             b.retired = torch.zeros_like(b.stop_at, dtype=torch.bool) if b.retired is None else b.retired
             b.retired[gone] = True                       # and no later block's calls
             return
-        keep = [b for b in range(state.batch.x.shape[0]) if b not in set(rows)]
+        keep = [b for b in range(state.batch.x.shape[0]) if b not in set(rows)]     # (none left: trimmed only)
         if not keep:
             state.batch = None
             return

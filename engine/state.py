@@ -130,7 +130,7 @@ class Batch:
     def take(self, rows: torch.Tensor) -> "Batch":
         """The batch of these rows only (same columns)."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in self._rows() + tuple(n for n, _ in self._columns()):
+        for name in self._rows() + tuple(n for n, _ in self._columns()) + ("pos",):
             v = getattr(self, name)
             kw[name] = None if v is None else v[rows]
         kw["policy_state"] = None if self.policy_state is None else self.policy_state.take(rows)
@@ -225,6 +225,27 @@ class BlockRun:
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
+
+    def joined(self, other: "BlockRun") -> "BlockRun":
+        """These rows, then `other`'s (the same block, window and plan: rows that opened the block
+        later, `Decoder.join`); every per-row tensor, the commit record, the policy state and the
+        cache concatenated row-wise."""
+        kw = {}
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in ("index", "win", "plan") or a is None:
+                kw[f.name] = a
+            elif isinstance(a, torch.Tensor):
+                kw[f.name] = torch.cat((a, b.to(a.dtype)))
+            elif isinstance(a, Commits):
+                kw[f.name] = Commits.cat(a, b)
+            elif isinstance(a, PolicyState):
+                kw[f.name] = a.join(b)
+            else:                                       # the cache: per-row keys/values of equal length
+                kw[f.name] = dataclasses.replace(a, layers=[(torch.cat((k, k2)), torch.cat((v, v2))) for (k, v), (k2, v2)
+                                                            in zip(a.layers, b.layers)],
+                                                 key_mask=torch.cat((a.key_mask, b.key_mask)))
+        return BlockRun(**kw)
 
     def retire(self, rows) -> None:
         """These rows (indices into the run) take no further call on this block: they commit nothing

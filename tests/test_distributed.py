@@ -321,10 +321,13 @@ def test_rank0_leads_and_the_others_follow(ckpts, tmp_path):
     cache mode) equals one process, and rank 1 ran rank 0's calls only."""
     from engine.loop import Decoder
 
+    class AtBoundaries(Decoder):                 # tensor parallel: rows join at block boundaries only
+        joins_inside_a_block = property(lambda self: False)
+
     path = ckpts["llada"]
     ranks = _launch({"kind": "follow", "ckpt": path}, tmp_path)
     lead, follower = ranks[0], ranks[1]
-    one = _serve_pattern(load_model(path, dtype="float64"), Decoder)
+    one = _serve_pattern(load_model(path, dtype="float64"), AtBoundaries)
     assert lead["out"] == one
     assert lead["out"]["bad"] == "InputError" and max(one["live"][1]) == 3      # the batch held 3 sequences
     assert one["graphed"][1] > 0                                                  # graphs were captured

@@ -1,5 +1,5 @@
 """Continuous batching in the server, through the real `openai` client: a short request sent after a
-long one joins its running batch at the next block boundary and is answered first; with
+long one joins its running batch between two model calls (its first call made at once) and is answered first; with
 `--batching static` the same short request waits for the long one's batch to end. (That answers
 at temperature 0 equal each prompt decoded alone, under continuous batching, is
 tests/test_serve.py::test_concurrent_load_is_batched_and_batch_invariant and tests/test_live.py.)"""
@@ -15,11 +15,13 @@ from test_serve import PROMPTS
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-# greedy over heavy sampling noise (seed 0) runs ~96 calls before it stops: a long request
+# greedy over heavy sampling noise, never stopping at EOS (ignore_eos): 128 calls, a long request
+# (without ignore_eos its length is whatever the shared noise draws, which depends on when others join)
 LONG = dict(model=NAME, prompt="Question: Hugo has 12 toys. He gives half of them to Dan.\nAnswer: ", max_tokens=128,
-            temperature=50.0, seed=0, extra_body={"method": "greedy"})
+            temperature=50.0, seed=0, extra_body={"method": "greedy", "ignore_eos": True})
 # the same options (a seeded generator serves a whole batch, so the seed is one of them): it may join LONG's batch
-SHORT = dict(model=NAME, prompt=PROMPTS[3], max_tokens=8, temperature=50.0, seed=0, extra_body={"method": "greedy"})
+SHORT = dict(model=NAME, prompt=PROMPTS[3], max_tokens=8, temperature=50.0, seed=0,
+             extra_body={"method": "greedy", "ignore_eos": True})
 
 
 @pytest.fixture(scope="module")

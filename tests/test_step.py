@@ -60,8 +60,7 @@ def test_rows_join_at_a_boundary_and_decode_as_alone(model):
     state = dec.start(PROMPTS[:1], [16], live=True)
     while dec.step(state):                               # the first block of the first row
         pass
-    with pytest.raises(InputError, match="block boundary"):
-        dec.step(state) and dec.join(state, [PROMPTS[1]], [16])   # a block is open again
+    assert dec.step(state) and state.run is not None           # a block is open again
     while dec.step(state):
         pass
     dec.join(state, [PROMPTS[1]], [16])                  # at the boundary after the first row's second block
@@ -101,3 +100,53 @@ def test_leave_at_a_boundary_drops_the_rows(model):
     dec.leave(state, [0])
     assert state.batch is None
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("method", [dict(method="confidence"), dict(method="psd", depth=3)], ids=str)
+def test_rows_join_inside_an_open_block_and_decode_as_alone(model, cache, method):
+    """A row joins between two steps of an open block (its first call made at once) — a longer
+    prompt than the running row's (the canvas widens on the left) and a longer gen length (on the
+    right) — and every row decodes as it would alone."""
+    dec = Decoder(model, DecodeConfig(gen_length=16, block_length=8, cache=cache, **method))
+    state = dec.start([PROMPTS[1]], [16], live=True)
+    assert dec.step(state) and dec.step(state)           # inside the first block
+    assert state.run is not None and dec.joins_inside_a_block
+    calls, restore = _counting(model)
+    try:
+        dec.join(state, [PROMPTS[0], [30, 31, 32, 33, 34, 35, 36, 37, 38]], [24, 16])
+    finally:
+        restore()
+    assert len(calls) == 1 and calls[0] == 2               # one call, of the two new rows
+    assert state.run is not None and len(state.run.seqs) == 3
+    while state.batch.cursor < state.batch.end:
+        dec.step(state)
+    got = dec.results(state)
+    alone = [dec.generate([p])[0] for p in (PROMPTS[1], PROMPTS[0], [30, 31, 32, 33, 34, 35, 36, 37, 38])]
+    alone[1] = Decoder(model, DecodeConfig(gen_length=24, block_length=8, cache=cache, **method)).generate(
+        [PROMPTS[0]])[0]
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    assert [r.calls for r in got] == [r.calls for r in alone]
+
+
+def test_a_budget_decoder_joins_at_the_boundary(model):
+    dec = Decoder(model, DecodeConfig(method="psd", depth=2, draft_budget="auto", gen_length=16, block_length=8))
+    state = dec.start([PROMPTS[1]], [16], live=True)
+    assert dec.step(state) and not dec.joins_inside_a_block
+    with pytest.raises(InputError, match="block boundary"):
+        dec.join(state, [PROMPTS[0]], [16])
+
+
+@pytest.mark.parametrize("family", ["dream", "pangu"])
+def test_joining_inside_a_block_on_shifted_and_context_causal_models(family):
+    cfg = ModelConfig.tiny(family, vocab_size=64, mask_token_id=63, eos_token_id=62)
+    m = init_random(cfg, seed=5, std=0.5).double()
+    for cache in ("none", "dual"):
+        dec = Decoder(m, DecodeConfig(method="psd", depth=2, gen_length=16, block_length=8, cache=cache))
+        state = dec.start([PROMPTS[1]], [16], live=True)
+        assert dec.step(state) and dec.step(state)
+        dec.join(state, [PROMPTS[0]], [16])
+        while state.batch.cursor < state.batch.end:
+            dec.step(state)
+        alone = [dec.generate([p])[0].token_ids for p in (PROMPTS[1], PROMPTS[0])]
+        assert [r.token_ids for r in dec.results(state)] == alone, cache

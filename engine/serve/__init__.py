@@ -15,7 +15,7 @@ puts `extra_body`) or under a nested `"decoding": {...}` object, checked exactly
 
 One worker thread owns the model; the HTTP side is async. With continuous batching (the default)
 requests with equal decoding options share a running `engine.live.LiveBatch`: a request joins it
-at its next block boundary and leaves when its own sequence ends, batches of different options
+between two model calls and leaves when its own sequence ends, batches of different options
 taking turns one model call each, up to --max-batch rows in all, shared fairly between requests.
 `--batching static` decodes the fair next request and every waiting request with an equal
 DecodeConfig (up to --max-batch) as one `Decoder.stream` call from start to end.
@@ -34,7 +34,7 @@ responses.py   answers in OpenAI's shapes: completion objects, SSE chunks, usage
                the /health and /version bodies
 metrics.py     counters, gauges and histograms; the /metrics text
 jobs.py        a Job (one choice), the Scheduler interface: the job queue and its fair order
-continuous.py  ContinuousScheduler: running batches joined and left at block boundaries
+continuous.py  ContinuousScheduler: running batches joined between two calls and left at block boundaries
 static.py      StaticScheduler: batches decoded from start to end (--batching static)
 worker.py      the scheduler chosen once at start-up from --batching
 server.py      the checkpoint, the model loaded in the worker, the limits a request is checked against

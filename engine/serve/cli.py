@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-wait-ms", type=float, default=10.0,
                    help="--batching static: when idle, wait this long after a request for others to decode with it")
     p.add_argument("--batching", choices=("continuous", "static"),
-                   help="continuous (default): requests join a running batch at block boundaries and leave when "
+                   help="continuous (default): requests join a running batch between two model calls and leave when "
                         "done; static (the default on a uniform-noise model, whose draws are the batch's): a batch "
                         "is decoded from start to end before the next one starts")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],

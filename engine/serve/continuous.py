@@ -1,5 +1,5 @@
 """Continuous batching (the default): jobs with equal decoding options share a running
-`engine.live.LiveBatch` that they join at its next block boundary and leave when they are done,
+`engine.live.LiveBatch` that they join between two of its model calls and leave when they are done,
 so a short request sent after a long one can finish first, and an answer comes when its own
 sequence ends. Batches of different options take turns, one model call each; --max-batch bounds
 the rows of all of them together, a free row going to the fair next job (jobs.py)."""
@@ -28,7 +28,7 @@ class _Live:
 
 
 class ContinuousScheduler(Scheduler):
-    """Running batches (one per set of options) that jobs join and leave at block boundaries."""
+    """Running batches (one per set of options) that jobs join between two calls and leave at block boundaries."""
 
     def run(self, model) -> None:
         """Admit waiting jobs into the running batch of their options (up to max_batch rows each),
