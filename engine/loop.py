@@ -368,7 +368,8 @@ class Decoder:
         N = run.x.shape[1]
         run.x = torch.cat((run.x.new_full((len(run.seqs), left), batch.pad_id), run.x,
                            run.x.new_full((len(run.seqs), right), batch.pad_id)), 1)
-        run.valid = batch.valid[run.seqs]
+        run.valid, run.gen_start = batch.valid[run.seqs], batch.gen_start[run.seqs]     # columns moved by `left`
+        run.stop_at = torch.where(run.stop_at >= 0, run.stop_at + left, run.stop_at)
         # positions stay those the block's cached keys were computed at (RoPE is relative; the new
         # columns are padding): the next block's first call takes the batch's, and a fresh cache
         run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
