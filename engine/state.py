@@ -37,13 +37,13 @@ class Commits:
         return cls(full("call"), full("step"), full("source"), full("prob", dtype=torch.float64),
                    full("top", top_k, 2, dtype=torch.float64) if top_k else None)
 
-    def _map(self, fn) -> "Commits":
+    def map(self, fn) -> "Commits":
         return Commits(**{f.name: None if getattr(self, f.name) is None else fn(f.name, getattr(self, f.name))
                           for f in dataclasses.fields(self)})
 
     def take(self, rows=slice(None), cols=slice(None)) -> "Commits":
         """A copy of rows `rows` (indices or a slice), columns `cols`."""
-        return self._map(lambda _, t: t[rows, cols])
+        return self.map(lambda _, t: t[rows, cols])
 
     def put(self, other: "Commits", rows=slice(None), cols=slice(None)) -> None:
         """Write `other` into rows `rows`, columns `cols`."""
@@ -70,12 +70,12 @@ class Commits:
             return torch.cat([t.new_full((R, max(0, left), *t.shape[2:]), self.FILL[name]), t,
                               t.new_full((R, max(0, right), *t.shape[2:]), self.FILL[name])], 1)
 
-        return self._map(moved)
+        return self.map(moved)
 
     @staticmethod
     def cat(a: "Commits", b: "Commits") -> "Commits":
         """The rows of `a`, then of `b` (same columns)."""
-        return a._map(lambda name, t: torch.cat((t, getattr(b, name).to(t.dtype))))
+        return a.map(lambda name, t: torch.cat((t, getattr(b, name).to(t.dtype))))
 
 
 @dataclass
