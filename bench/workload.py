@@ -152,9 +152,9 @@ class UniformCalls:
 
         R, dev = x.shape[0], x.device
         zeros = torch.zeros(R, dtype=torch.long, device=dev)
-        st = Canvas(canvas=x[:, win.lo:], argmax=None, done=None, left=1, sc=self_cond, steps=zeros.clone())
+        st = Canvas(canvas=x[:, win.lo:], argmax=None, done=None, left=1, sc=self_cond)
         run = SimpleNamespace(noise=st, win=win, cache=kv, pos=pos, stop_at=zeros - 1, calls=zeros.clone(),
-                              rows=zeros.clone())
+                              rows=zeros.clone(), step=zeros.clone())
         self.uniform.call(run, torch.arange(R, device=dev))
         return st.raw
 

@@ -223,6 +223,6 @@ class DraftBudget:
                 pts.update(zip(new.n, new.ms_at))
                 new = CostModel(list(pts), list(pts.values()), "measured")
             save_curve(key, new)
-            _MEASURED[key] = have = new
+            have = new
         _MEASURED[key] = have
         return have

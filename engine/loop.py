@@ -39,7 +39,7 @@ from .progress import apply_stopping, generated, guard_progress, raise_failure, 
 from .policies import policy_key, policy_select, rank_of
 from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
 from .sampling import Sampler
-from .state import Batch, BatchState, BlockRun, join, new_batch, state_of
+from .state import Batch, BatchState, BlockRun, join, new_batch, pad_columns, state_of
 from .uniform import UniformNoise, for_model
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
@@ -283,8 +283,7 @@ class Decoder:
         """A running batch of `prompts` (token-id lists; `gen_lengths`: one per prompt, default the
         config's), each checked; nothing is decoded until `step`. `live`: rows may join later
         (`join`; continuous batching, engine.live)."""
-        lengths = gen_lengths or [self.dc.gen_length] * len(prompts)
-        checked = [check_prompts(self.mc, self.dc, [p], gen_length=g)[0] for p, g in zip(prompts, lengths)] \
+        checked = [check_prompts(self.mc, self.dc, [p], gen_length=g)[0] for p, g in zip(prompts, gen_lengths)] \
             if gen_lengths else self.check_prompts(prompts)
         return BatchState(self._new_batch(checked, gen_lengths), live=live, t0=time.perf_counter())
 
@@ -366,8 +365,7 @@ class Decoder:
         if not left and not right:
             return
         N = run.x.shape[1]
-        run.x = torch.cat((run.x.new_full((len(run.seqs), left), batch.pad_id), run.x,
-                           run.x.new_full((len(run.seqs), right), batch.pad_id)), 1)
+        run.x = pad_columns(run.x, left, right, batch.pad_id)
         run.valid, run.gen_start = batch.valid[run.seqs], batch.gen_start[run.seqs]     # columns moved by `left`
         run.stop_at = torch.where(run.stop_at >= 0, run.stop_at + left, run.stop_at)
         # positions stay those the block's cached keys were computed at (RoPE is relative; the new
@@ -375,19 +373,13 @@ class Decoder:
         run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
         run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left)
         if run.cache is not None:
-            have = run.cache.key_mask.shape[1]
-            front = left                                 # every mode caches from column 0 on
-            back = len(self.cache_mode.cached_positions(run.win, N + left + right, run.x.device)) - have - front
-
-            def pad(t, fill):
-                shape = list(t.shape)
-                dim = 2 if t.dim() == 4 else 1
-                parts = [t.new_full(shape[:dim] + [front] + shape[dim + 1:], fill), t,
-                         t.new_full(shape[:dim] + [back] + shape[dim + 1:], fill)]
-                return torch.cat(parts, dim)
-
-            run.cache = dataclasses.replace(run.cache, layers=[(pad(k, 0), pad(v, 0)) for k, v in run.cache.layers],
-                                            key_mask=pad(run.cache.key_mask, False))
+            # every mode caches from column 0 on: `left` invisible keys before, what the suffix grew after
+            back = len(self.cache_mode.cached_positions(run.win, N + left + right, run.x.device)) - \
+                run.cache.key_mask.shape[1] - left
+            run.cache = dataclasses.replace(
+                run.cache, layers=[(pad_columns(k, left, back, 0, dim=2), pad_columns(v, left, back, 0, dim=2))
+                                   for k, v in run.cache.layers],
+                key_mask=pad_columns(run.cache.key_mask, left, back, False))
 
     def leave(self, state: BatchState, rows: list[int]) -> None:
         """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep

@@ -13,6 +13,22 @@ from .cache import Window
 from .policies import PolicyState
 
 
+def pad_columns(t: torch.Tensor, left: int, right: int, fill, dim: int = 1) -> torch.Tensor:
+    """`t` with `left` columns of `fill` before its first along `dim` (removed if negative) and
+    `right` after its last: how every per-column tensor moves when a canvas widens or is trimmed."""
+    n = t.shape[dim]
+    t = t.narrow(dim, max(0, -left), n - max(0, -left) - max(0, -right))
+    shape = list(t.shape)
+    parts = []
+    for k in (max(0, left), None, max(0, right)):
+        if k is None:
+            parts.append(t)
+        else:
+            shape[dim] = k
+            parts.append(t.new_full(shape, fill))
+    return torch.cat(parts, dim)
+
+
 @dataclass
 class Commits:
     """How each generated position was committed, one record per batch or block ([R, N] tensors, by
@@ -64,13 +80,7 @@ class Commits:
 
     def shift(self, left: int, right: int) -> "Commits":
         """`left` fill columns before the first (removed if negative), `right` after the last."""
-        def moved(name, t):
-            R, N = t.shape[:2]
-            t = t[:, max(0, -left):N - max(0, -right)]
-            return torch.cat([t.new_full((R, max(0, left), *t.shape[2:]), self.FILL[name]), t,
-                              t.new_full((R, max(0, right), *t.shape[2:]), self.FILL[name])], 1)
-
-        return self.map(moved)
+        return self.map(lambda name, t: pad_columns(t, left, right, self.FILL[name]))
 
     @staticmethod
     def cat(a: "Commits", b: "Commits") -> "Commits":
@@ -142,15 +152,10 @@ class Batch:
         and `right` after the last; every column index moves with them. `position_ids(valid)`
         recomputes the positions."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        B, N = self.x.shape
         for name, fill in self._columns():
             v = getattr(self, name)
-            if v is None:
-                continue
-            v = v[:, max(0, -left):N - max(0, -right)]
-            parts = [v.new_full((B, max(0, left), *v.shape[2:]), fill), v,
-                     v.new_full((B, max(0, right), *v.shape[2:]), fill)]
-            kw[name] = torch.cat(parts, 1)
+            if v is not None:
+                kw[name] = pad_columns(v, left, right, fill)
         kw["gen_start"] = self.gen_start + left
         kw["stop_at"] = torch.where(self.stop_at >= 0, self.stop_at + left, self.stop_at)
         kw["cursor"], kw["prompt_width"] = self.cursor + left, self.prompt_width + left

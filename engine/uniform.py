@@ -121,7 +121,6 @@ class Canvas:
     raw: torch.Tensor | None = None         # [A, C, V] its logits
     sc: torch.Tensor | None = None          # [B, C, V] the latest step's processed logits (self-conditioning)
     history: torch.Tensor | None = None     # [k, B, C] the argmax of the last k steps (stability)
-    steps: torch.Tensor | None = None       # [B] steps each row took
 
 
 class UniformNoise:
@@ -174,12 +173,12 @@ class UniformNoise:
             index=(lo - batch.prompt_width) // L, seqs=seqs, win=Window(batch.prompt_width, L, lo, L),
             gen_start=batch.gen_start, x=batch.x.clone(), valid=batch.valid, pos=batch.pos, cache=None,
             pred=zeros(B, L), conf=zeros(B, L, dtype=torch.float32), calls=batch.calls.clone(),
-            rows=batch.rows.clone(), step=zeros(B), stop_at=batch.stop_at.clone(), pending=zeros(B, dtype=torch.bool) | True,
+            rows=batch.rows.clone(), step=zeros(B), stop_at=batch.stop_at.clone(), pending=torch.ones(B, dtype=torch.bool, device=dev),
             commits=batch.commits.take(seqs, span),
             depth_hist=batch.depth_hist.clone(), failed=zeros(B), failed_call=zeros(B) - 1,
             nodes_hist=batch.nodes_hist.clone(), plan=dec.full_plan)
         run.noise = Canvas(canvas=canvas, argmax=canvas, done=zeros(B, dtype=torch.bool),
-                           left=self.s.max_denoising_steps, steps=zeros(B))
+                           left=self.s.max_denoising_steps)
         run.cache = batch.memory[0]
         if batch.retired is not None:                  # rows that left (Decoder.leave) take no call; the
             run.pending &= ~batch.retired              # draws stay the batch's shapes
@@ -204,7 +203,7 @@ class UniformNoise:
         live = run.stop_at[act] < 0                       # rows of an ended sequence are not counted
         run.calls[act] += live.long()
         run.rows[act] += live.long()
-        st.steps[act] += 1
+        run.step[act] += 1                                # the decoder calls each row took in this block
 
     # ------------------------------------------------------------------ stage 1
     def commit(self, run: BlockRun) -> None:
@@ -233,7 +232,6 @@ class UniformNoise:
         self._stop(st, act, entropy)
         st.left -= 1
         run.pending = run.pending & ~st.done & (st.left >= 1)      # a retired row (Decoder.leave) stays out
-        run.step = st.steps.clone()
 
     def _stop(self, st: Canvas, act, entropy) -> None:
         """Adaptive stopping: a row stops once its argmax equals that of the previous k steps
@@ -262,8 +260,8 @@ class UniformNoise:
         st, lo, L = run.noise, run.win.lo, run.win.block_length
         tokens = st.argmax.clone()
         before = run.stop_at >= 0
-        this = torch.isin(tokens, self.eos).any(-1) if self.eos.numel() else torch.zeros_like(before)
-        first = torch.isin(tokens, self.eos).long().argmax(-1) if self.eos.numel() else torch.zeros_like(run.stop_at)
+        hit = torch.isin(tokens, self.eos)                 # (no stop ids: nowhere)
+        this, first = hit.any(-1), hit.long().argmax(-1)
         if self.s.pad is not None and (before | this).any():
             tokens[before] = self.s.pad
             if this.any():
@@ -275,7 +273,7 @@ class UniformNoise:
         prob = st.sc.float().softmax(-1).gather(-1, st.argmax[..., None])[..., 0].double()
         fresh = ~before
         run.commits.write(fresh[:, None].expand(-1, L), cols=slice(0, L), call=run.calls[:, None],
-                          step=st.steps[:, None] - 1, prob=prob)
+                          step=run.step[:, None] - 1, prob=prob)
         run.pending = torch.zeros_like(run.pending)
 
 

@@ -19,6 +19,8 @@ from models import Tokenizer, Transformer, load_model
 from models.checkpoint import SkipMetaInit
 from models.random_checkpoint import make_checkpoint
 
+from support import run_main
+
 GENERATION = {"max_denoising_steps": 4, "stability_threshold": 1, "confidence_threshold": 0.5,
               "eos_token_id": [1], "pad_token_id": 0}
 
@@ -32,19 +34,10 @@ def dg(tmp_path_factory):
     return path
 
 
-def _run(main, argv, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 # ---------------------------------------------------------------------- bench.eval
 def test_eval_decodes_a_diffusion_gemma_checkpoint_as_engine_generate_does(dg, tmp_path, capsys):
     out = tmp_path / "results.jsonl"
-    rc, stdout, err = _run(eval_main, ["--model", str(dg), "--task", "math", "--methods", "eb", "--limit", "3",
+    rc, stdout, err = run_main(eval_main, ["--model", str(dg), "--task", "math", "--methods", "eb", "--limit", "3",
                                        "--gen-length", "12", "--out", str(out), "--quiet"], capsys)
     assert rc == 0, err
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -67,7 +60,7 @@ def test_eval_decodes_a_diffusion_gemma_checkpoint_as_engine_generate_does(dg, t
                                    ["--methods", "eb", "--cache", "dual"], ["--methods", "eb", "--block-length", "32"]],
                          ids=["confidence", "greedy", "cache", "block"])
 def test_eval_refuses_what_a_uniform_noise_model_does_not_take(dg, tmp_path, capsys, extra):
-    rc, _, err = _run(eval_main, ["--model", str(dg), "--task", "math", "--limit", "1",
+    rc, _, err = run_main(eval_main, ["--model", str(dg), "--task", "math", "--limit", "1",
                                   "--out", str(tmp_path / "r.jsonl"), "--quiet", *extra], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
@@ -141,7 +134,7 @@ def test_the_cost_curve_times_the_engines_decoder_call():
 
 
 def test_cost_curve_runs_the_tiny_shape_end_to_end(tmp_path, capsys):
-    rc, out, err = _run(speed.main, ["--shape", "tiny-diffusiongemma", "--cost-curve", "--dtype", "float32",
+    rc, out, err = run_main(speed.main, ["--shape", "tiny-diffusiongemma", "--cost-curve", "--dtype", "float32",
                                      "--prefix", "16", "--rows", "1", "2", "--batch-sizes", "1", "2",
                                      "--cost-reps", "1", "--no-warmup", "--quiet", "--out", str(tmp_path)], capsys)
     assert rc == 0, err
@@ -154,7 +147,7 @@ def test_cost_curve_runs_the_tiny_shape_end_to_end(tmp_path, capsys):
 
 def test_the_26b_shape_is_refused_where_it_does_not_fit(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(speed, "available_memory", lambda device: 32 << 30)
-    rc, _, err = _run(speed.main, ["--shape", "diffusiongemma-26b-a4b", "--cost-curve", "--out", str(tmp_path / "o")],
+    rc, _, err = run_main(speed.main, ["--shape", "diffusiongemma-26b-a4b", "--cost-curve", "--out", str(tmp_path / "o")],
                       capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: --shape diffusiongemma-26b-a4b needs")
@@ -167,7 +160,7 @@ def test_the_26b_shape_is_refused_where_it_does_not_fit(tmp_path, capsys, monkey
                                   ["--shape", "tiny-diffusiongemma", "--model", "models/default", "--cost-curve"]],
                          ids=["e2e", "block", "cache", "model"])
 def test_speed_refusals_are_one_line(argv, tmp_path, capsys):
-    rc, _, err = _run(speed.main, argv + ["--out", str(tmp_path / "o")], capsys)
+    rc, _, err = run_main(speed.main, argv + ["--out", str(tmp_path / "o")], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
 
@@ -191,7 +184,7 @@ def test_call_trace_records_the_encoder_and_decoder_calls(dg):
 
 
 def test_simulate_projects_a_diffusion_gemma_decode(dg, tmp_path, capsys):
-    rc, out, err = _run(speed.main, ["--simulate", "h100", "--shape", "tiny-diffusiongemma", "--model", str(dg),
+    rc, out, err = run_main(speed.main, ["--simulate", "h100", "--shape", "tiny-diffusiongemma", "--model", str(dg),
                                      "--num-prompts", "1", "--gen-length", "8", "--quiet", "--out", str(tmp_path)],
                         capsys)
     assert rc == 0, err
@@ -206,7 +199,7 @@ def test_simulate_projects_a_diffusion_gemma_decode(dg, tmp_path, capsys):
 def test_simulate_refuses_a_mismatched_acceptance_model(shape, model, dg, tmp_path, capsys):
     argv = ["--simulate", "h100", "--shape", shape, "--quiet", "--out", str(tmp_path / "o")]
     argv += ["--model", str(dg)] if model else []
-    rc, _, err = _run(speed.main, argv, capsys)
+    rc, _, err = run_main(speed.main, argv, capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
 
