@@ -17,58 +17,38 @@ from .policies import Policy
 
 class DecodeConfig:
     """A method and its options. Every option of the table is an attribute, set once here: the value
-    given, else the option's default (`None` for a policy parameter: the policy's own default). The
-    types below are the table's (tests/test_methods.py holds them to it); defaults and help live
-    only in engine/options.py. Options a policy declares (e.g. topk's `schedule`, `eps`) are
-    attributes too, untyped here.
+    given, else the option's default (`None` for a policy parameter: the policy's own default).
 
-    Frozen: an attribute cannot be set after construction (`replace(**options)` makes a changed
-    copy), so `validate` checks a config once and its policy and draft graph are built once, the
-    same objects for the checks, the decoder and `describe`."""
+    Typed from the table, never restated: the fields are `DecodeConfig.__annotations__` (so
+    `typing.get_type_hints(DecodeConfig)`), `method: str` then one per option of engine/options.py's
+    `OPTIONS`, its `Option.annotation` (the kind, `kind | None` where the default is None). They are
+    derived from the table at import and again at every change of it, so an option registered later
+    (a plugin policy's `declares`) is a typed field at once, made, checked and listed by `as_dict`
+    like any other. A value of the wrong type is refused when the config is made (the option's own
+    one-line InputError); ranges, choices and what the method takes are `validate`'s. Defaults and
+    help live only in engine/options.py.
 
-    method: str
-    gen_length: int
-    block_length: int
-    cache: str
-    score: str
-    temperature: float
-    seed: int
-    top_k: int
-    top_p: float
-    ignore_eos: bool | None
-    min_tokens: int
-    top_logprobs: int
-    align: str
-    conf_dtype: str
-    static_rows: bool | None
-    compile: bool | None
-    cuda_graphs: bool | None
-    steps: int | None
-    threshold: float | None
-    kappa: float | None
-    window: int | None
-    policy_name: str
-    depth: int
-    graph: DraftGraph | None
-    draft_budget: str
-    cost_profile: str | None
-    cross_block: bool | None
-    acceptance: str
-    draft_order: str
-    k: int
+    Frozen: an attribute (or `given`) cannot be set after construction (`replace(**options)` makes a
+    changed copy), so `validate` checks a config once and its policy and draft graph are built once,
+    the same objects for the checks, the decoder and `describe`. Equal configs (same method and
+    values) hash alike."""
+
+    __annotations__ = {}            # the fields: derived from OPTIONS by _derive_fields, below
 
     def __init__(self, method: str | None = None, **options):
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise InputError(f"unknown decoding option {unknown[0]!r}; options: {', '.join(sorted(OPTIONS))}")
         given = {k: v for k, v in options.items() if v is not None}   # None = not given
+        for name, value in given.items():
+            OPTIONS[name].check_type(value)
         object.__setattr__(self, "method", "greedy" if method is None else method)
         object.__setattr__(self, "method_given", method is not None)     # None: the default (a model may pick)
-        object.__setattr__(self, "given", given)
+        object.__setattr__(self, "given", _Given(given))
         for name, option in OPTIONS.items():
             object.__setattr__(self, name, given.get(name, option.default))
 
-    def __getattr__(self, name):      # only an option registered after this config was made
+    def __getattr__(self, name):      # only an option registered after this config was made: its default
         if name in OPTIONS:
             return OPTIONS[name].default
         raise AttributeError(f"DecodeConfig has no attribute {name!r}")
@@ -96,6 +76,9 @@ class DecodeConfig:
     def __eq__(self, other) -> bool:
         return isinstance(other, DecodeConfig) and self.as_dict() == other.as_dict()
 
+    def __hash__(self) -> int:
+        return hash(frozenset(self.as_dict().items()))
+
     def __repr__(self) -> str:
         return f"DecodeConfig(method={self.method!r}, {', '.join(f'{k}={v!r}' for k, v in self.given.items())})"
 
@@ -103,7 +86,7 @@ class DecodeConfig:
     def validate(self) -> "DecodeConfig":
         if self.__dict__.get("_valid"):          # frozen: checked once
             return self
-        if self.method not in METHODS:
+        if not isinstance(self.method, str) or self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; expected one of {', '.join(METHODS)}")
         for name, value in self.given.items():
             OPTIONS[name].validate(value)
@@ -186,6 +169,37 @@ class DecodeConfig:
         runtime = [OPTIONS[o].label.lstrip("-") for o in RUNTIME if getattr(self, o)]
         suffix = f"[{','.join(runtime)}]" if runtime else ""
         return self.spec.describe(self, self.policy(), self.draft_graph()) + suffix
+
+
+_OWN = ("method", "given", "method_given")     # instance attributes that are no option
+
+
+def _derive_fields() -> None:
+    """`DecodeConfig.__annotations__` from the option table, in place: run at import and by the table
+    after every change (`OptionTable.watchers`). An option whose name DecodeConfig uses otherwise
+    (an attribute, a method, a private `_` name) is refused: it would shadow it or be shadowed."""
+    clash = [n for n in OPTIONS if n in _OWN or n.startswith("_") or hasattr(DecodeConfig, n)]
+    if clash:
+        raise ValueError(f"option {clash[0]!r} is a name DecodeConfig uses otherwise; name the option differently")
+    fields = DecodeConfig.__dict__["__annotations__"]
+    fields.clear()
+    fields.update({"method": str, **{name: option.annotation for name, option in OPTIONS.items()}})
+
+
+_derive_fields()
+OPTIONS.watchers.append(_derive_fields)
+
+
+class _Given(dict):
+    """`DecodeConfig.given`: the options given, read-only (the config is frozen)."""
+
+    def _frozen(self, *args, **kw):
+        raise TypeError("DecodeConfig is frozen: replace(...) makes a changed copy")
+
+    __setitem__ = __delitem__ = pop = popitem = clear = update = setdefault = __ior__ = _frozen
+
+    def __reduce__(self):
+        return _Given, (dict(self),)
 
 
 def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | None = None) -> list[list[int]]:

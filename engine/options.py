@@ -108,8 +108,15 @@ class Option:
         except ValueError:
             raise InputError(f"bad value {text!r} for {self.what}: expected {self.kind.__name__}") from None
 
-    def validate(self, value):
-        """`value` if it is of the right type, in range and among the choices; else InputError."""
+    @property
+    def annotation(self):
+        """The type of `DecodeConfig`'s field: the kind, or `kind | None` where the default is None
+        (unset: the policy's own default)."""
+        return self.kind if self.default is not None else self.kind | None
+
+    def check_type(self, value):
+        """`value` if it is of the option's kind (an int for a float too, never a bool for a number);
+        else InputError. `DecodeConfig` checks this when it is made, `validate` the rest."""
         if self.kind is DraftGraph:
             if not isinstance(value, DraftGraph):
                 raise InputError(f"{self.what} must be a DraftGraph, got {type(value).__name__}")
@@ -118,6 +125,13 @@ class Option:
             (isinstance(value, int) and not isinstance(value, bool)) if self.kind is int else isinstance(value, self.kind)
         if not ok:
             raise InputError(f"{self.what} must be {self.kind.__name__}, got {value!r}")
+        return value
+
+    def validate(self, value):
+        """`value` if it is of the right type, in range and among the choices; else InputError."""
+        self.check_type(value)
+        if self.kind is DraftGraph:
+            return value
         allowed = self.allowed()
         if allowed and value not in allowed:
             raise InputError(f"unknown {self.what} {value!r}; expected one of {', '.join(allowed)}")
@@ -138,11 +152,68 @@ def _cache_modes() -> tuple:
     return tuple(CACHE_MODES)
 
 
-OPTIONS: dict[str, Option] = {}
+class OptionTable(dict):
+    """The option table, a dict by name that tells what is derived from it of every change:
+    `DecodeConfig`'s fields (engine/config.py) are re-derived after each, so an option registered
+    later (a plugin policy's parameter) is a typed field at once and a removed one is gone. A watcher
+    may refuse a new option by raising (a name `DecodeConfig` already uses); the table then undoes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.watchers: list[Callable[[], None]] = []     # called after every change, with the table as it is
+
+    def _notify(self):
+        for watch in self.watchers:
+            watch()
+
+    def __setitem__(self, name: str, option: Option):
+        before = self.get(name, _ABSENT)
+        super().__setitem__(name, option)
+        try:
+            self._notify()
+        except BaseException:
+            if before is _ABSENT:
+                super().__delitem__(name)
+            else:
+                super().__setitem__(name, before)
+            self._notify()
+            raise
+
+    def update(self, *args, **kw):
+        for name, option in dict(*args, **kw).items():
+            self[name] = option
+
+    def setdefault(self, name: str, option: Option = None):
+        if name not in self:
+            self[name] = option
+        return self[name]
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+
+def _removing(method: str):
+    """A dict method that removes entries, then re-derives what the table's watchers derive."""
+    def remove(self, *args):
+        out = getattr(dict, method)(self, *args)
+        self._notify()
+        return out
+    remove.__name__ = method
+    return remove
+
+
+for _m in ("__delitem__", "pop", "popitem", "clear"):
+    setattr(OptionTable, _m, _removing(_m))
+_ABSENT = object()
+
+OPTIONS: OptionTable = OptionTable()
 
 
 def register(option: Option) -> Option:
-    """Add an option to the table (a new policy parameter is one call; its default lives on the policy)."""
+    """Add an option to the table (a new policy parameter is one call; its default lives on the policy).
+    It is at once a typed field of `DecodeConfig`; a name that `DecodeConfig` uses otherwise (`given`,
+    `validate`, ...) is refused with ValueError."""
     OPTIONS[option.name] = option
     return option
 
