@@ -1,0 +1,119 @@
+"""`DecodeConfig`'s fields are the option table (engine/options.py), derived, never restated: an option
+a plugin policy registers after import is a typed field at once, checked like any other, and gone when
+the table drops it; a value of the wrong type is refused when the config is made; the config is frozen
+and hashable (engine/config.py)."""
+from __future__ import annotations
+
+import pickle
+import typing
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine import DecodeConfig, DraftGraph, InputError, Method, Option, Policy, register
+from engine.methods import unregister
+from engine.options import OPTIONS
+from engine.options import register as register_option
+
+
+@dataclass(frozen=True)
+class Spread(Policy):
+    """A user's policy with one parameter of its own (`spread`), declared with its Option."""
+
+    spread: float = 0.5
+    name = "spread"
+    params = {"spread": "spread"}
+    declares = (Option("spread", float, "share of the masked positions per step",
+                       check=lambda label, v: None if 0 < v <= 1 else f"{label} {v} is outside (0, 1]"),)
+
+    def select(self, conf, masked, step, *args):
+        return masked & (torch.rand_like(conf) < self.spread)
+
+
+@pytest.fixture
+def spread():
+    before = DecodeConfig(method="confidence")
+    assert "spread" not in typing.get_type_hints(DecodeConfig)
+    register(Method("spread", "toy: a share of the masked positions", Spread, is_policy=True))
+    yield before
+    unregister("spread")
+    OPTIONS.pop("spread")
+
+
+def test_a_plugin_option_is_a_typed_field(spread):
+    hints = typing.get_type_hints(DecodeConfig)
+    assert hints["spread"] == float | None and list(hints)[-1] == "spread"
+    cfg = DecodeConfig(method="spread", spread=0.25).validate()
+    assert vars(cfg)["spread"] == 0.25 and cfg.policy().spread == 0.25
+    assert cfg.as_dict()["spread"] == 0.25 and DecodeConfig().as_dict()["spread"] is None
+    assert DecodeConfig(method="spread").validate().policy().spread == 0.5        # None: the policy's default
+    assert spread.spread is None and "spread" in spread.as_dict()      # made before: reads the default
+
+
+def test_a_plugin_option_is_checked_like_any_other(spread):
+    with pytest.raises(InputError, match=r"^spread must be float, got 'x'$"):
+        DecodeConfig(method="spread", spread="x")                       # wrong type: refused when made
+    with pytest.raises(InputError, match=r"^spread must be float, got True$"):
+        DecodeConfig(method="spread", spread=True)
+    with pytest.raises(InputError, match=r"^spread 2 is outside \(0, 1\]$"):
+        DecodeConfig(method="spread", spread=2).validate()              # out of range: validate
+    with pytest.raises(InputError, match="^spread applies to psd and spread, not to confidence$"):
+        DecodeConfig(method="confidence", spread=0.5).validate()
+
+
+def test_the_fields_follow_the_table():
+    register_option(Option("tmp_width", int, "a test option", 4))
+    try:
+        assert typing.get_type_hints(DecodeConfig)["tmp_width"] is int       # a default: not Optional
+        assert DecodeConfig().tmp_width == 4 and DecodeConfig(tmp_width=5).as_dict()["tmp_width"] == 5
+    finally:
+        OPTIONS.pop("tmp_width")
+    assert "tmp_width" not in DecodeConfig.__annotations__
+    with pytest.raises(InputError, match="unknown decoding option 'tmp_width'"):
+        DecodeConfig(tmp_width=5)
+
+
+@pytest.mark.parametrize("name", ["given", "method", "validate", "replace", "policy", "exact", "_valid"])
+def test_an_option_cannot_shadow_what_the_config_uses(name):
+    fields, table = dict(DecodeConfig.__annotations__), dict(OPTIONS)
+    with pytest.raises(ValueError, match="name the option differently"):
+        register_option(Option(name, int, "a clash"))
+    assert dict(OPTIONS) == table and DecodeConfig.__annotations__ == fields     # undone
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"k": "3"}, "k must be int, got '3'"),
+    ({"gen_length": 1.5}, "gen length must be int, got 1.5"),
+    ({"temperature": True}, "temperature must be float, got True"),
+    ({"cache": 1}, "cache mode must be str, got 1"),
+    ({"ignore_eos": 1}, "--ignore-eos must be bool, got 1"),
+    ({"graph": [[0]]}, "a draft graph must be a DraftGraph, got list"),
+])
+def test_a_wrong_type_is_refused_when_the_config_is_made(options, message):
+    with pytest.raises(InputError) as e:
+        DecodeConfig(method="psd", **options)
+    assert str(e.value) == message
+
+
+def test_frozen_and_hashable():
+    cfg = DecodeConfig(method="psd", depth=2, gen_length=16, block_length=8)
+    with pytest.raises(AttributeError, match="frozen"):
+        cfg.k = 4
+    with pytest.raises(AttributeError, match="frozen"):
+        cfg.spread = 4                                  # not an option (now): still frozen
+    with pytest.raises(TypeError, match="frozen"):
+        cfg.given["depth"] = 3
+    with pytest.raises(TypeError, match="frozen"):
+        cfg.given.update(depth=3)
+    assert cfg.given == {"depth": 2, "gen_length": 16, "block_length": 8} and cfg.depth == 2
+    same = DecodeConfig(method="psd", depth=2, gen_length=16, block_length=8)
+    assert cfg == same and hash(cfg) == hash(same) and len({cfg, same, cfg.replace(depth=3)}) == 2
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    graph = DraftGraph.chain(2)
+    assert hash(DecodeConfig(method="psd", graph=graph)) == hash(DecodeConfig(method="psd", graph=graph))
+
+
+def test_a_method_that_is_no_string_is_an_unknown_method():
+    with pytest.raises(InputError, match="unknown method"):
+        DecodeConfig(method=["psd"]).validate()
