@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
-from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, add_threads_flag, guarded,
-                             plugins_loaded, progress, set_threads)
+from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_gemm_flag, add_plugin_flag, add_threads_flag,
+                             checked_gemm, guarded, plugins_loaded, progress, set_threads)
 from engine.options import OPTIONS, RUNTIME, resolve, spellings
 from engine.uniform import for_model
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    add_gemm_flag(p)
     add_threads_flag(p)
     p.add_argument("--out", help="per-problem JSONL, written as each method finishes "
                                  "(default: a fresh runs/eval-<task>-<time>/results.jsonl)")
@@ -320,8 +321,9 @@ def _run(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if world > 1 and device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
+    checked_gemm(args.gemm, device, args.dtype)
     set_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype, device=device)
+    model = load_model(args.model, dtype=args.dtype, device=device).set_gemm(args.gemm)
     records, walls, results, traces, parts = _decode_methods(model, tok, task, problems, shots, specs, args, out,
                                                              rank, world)
     if rank != 0:

@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 
 from engine.frontend import Parser, guarded, thread_count
+from models.transformer import GEMMS
 
 PEER_VERSION = "0.3.36"
 PACKAGE = "llama-cpp-python"
@@ -380,7 +381,8 @@ def interleaved(size: str, args, w: dict) -> list[tuple[dict, dict]]:
 
     model = load_model(w["ckpt"], "float32", "cpu")
     timer = ForwardTimer(model)
-    run_engine(model, timer, w["prompt"], args.gen)             # warm-up (allocator, first-call paths), untimed
+    for gemm in args.gemm:                    # warm-up (allocator, first-call paths), untimed
+        run_engine(model.set_gemm(gemm), timer, w["prompt"], args.gen)
     cmd = w["cmd"]
     print(f"{size}: {n_params_of(model) / 1e6:.1f}M parameters, prompt {len(w['prompt'])} ids (bos incl.), "
           f"{args.gen} generated, canvas {w['n_ctx']}; peer: {' '.join(cmd[:1] + ['...'] + cmd[3:])}", flush=True)
@@ -388,15 +390,21 @@ def interleaved(size: str, args, w: dict) -> list[tuple[dict, dict]]:
     rows = []
     for rep in range(args.reps):
         p = run_peer(cmd, w["layout"])
-        e = run_engine(model, timer, w["prompt"], args.gen)
-        rows.append((p, e))
+        es = {gemm: run_engine(model.set_gemm(gemm), timer, w["prompt"], args.gen) for gemm in args.gemm}
+        rows.append((p, es))
         print(f"  rep {rep}: peer {p['call_ms']:.2f} ms/call ({p['step_ms']:.2f} ms/step, wall "
-              f"{p['wall_ms']:.0f} ms) | engine {e['call_ms']:.2f} ms/call ({e['step_ms']:.2f} ms/step, "
-              f"{e['calls']} calls)", flush=True)
+              f"{p['wall_ms']:.0f} ms) | " + " | ".join(
+                  f"engine --gemm {g} {e['call_ms']:.2f} ms/call ({e['step_ms']:.2f} ms/step, {e['calls']} calls)"
+                  for g, e in es.items()), flush=True)
     return rows
 
 
 def size_report(args, w: dict, rows: list[tuple[dict, dict]]) -> dict:
+    """One entry per engine matmul backend (`--gemm`), each against the same peer runs."""
+    return {g: gemm_report(args, w, [(p, es[g]) for p, es in rows]) for g in rows[0][1]}
+
+
+def gemm_report(args, w: dict, rows: list[tuple[dict, dict]]) -> dict:
     p0, e0 = rows[0]
     if e0["calls"] != args.gen:
         print(f"  WARNING: the engine took {e0['calls']} calls for {args.gen} tokens (a probability of 1.0 "
@@ -431,7 +439,8 @@ def run(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     report = {"peer": f"{PACKAGE} {version} (vendored llama.cpp)", "threads": args.threads, "gen": args.gen,
-              "fa": args.fa, "prompt": args.prompt, "reps": args.reps, "torch": torch.__version__, "sizes": {}}
+              "fa": args.fa, "prompt": args.prompt, "reps": args.reps, "torch": torch.__version__,
+              "gemms": args.gemm, "sizes": {}}
     for size in args.size:
         w = prepare(size, args, peer, work)
         rows = interleaved(size, args, w)
@@ -449,14 +458,14 @@ def n_params_of(model) -> int:
 
 
 def table(report: dict) -> str:
-    lines = ["| size | canvas | agree | calls (peer/engine) | peer ms/call min / med | engine ms/call min / med | "
+    lines = ["| size | engine --gemm | canvas | agree | calls (peer/engine) | peer ms/call min / med | engine ms/call min / med | "
              "engine ÷ peer (min / med) | peer ms/token min / med | engine ms/token min / med | peer wall ms (med) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for size, r in report["sizes"].items():
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for size, gemm, r in ((size, g, r) for size, by in report["sizes"].items() for g, r in by.items()):
         s = r["stats"]
         pc, ec = s["peer_call_ms"], s["engine_call_ms"]
         lines.append(
-            f"| {size} ({r['params'] / 1e6:.1f}M) | {r['canvas']} | {r['agree']}/{report['gen']} | "
+            f"| {size} ({r['params'] / 1e6:.1f}M) | {gemm} | {r['canvas']} | {r['agree']}/{report['gen']} | "
             f"{r['peer_calls']}/{r['engine_calls']} | {pc[0]:.2f} / {pc[1]:.2f} | {ec[0]:.2f} / {ec[1]:.2f} | "
             f"{ec[0] / pc[0]:.2f} / {ec[1] / pc[1]:.2f} | {s['peer_token_ms'][0]:.2f} / {s['peer_token_ms'][1]:.2f} | "
             f"{s['engine_token_ms'][0]:.2f} / {s['engine_token_ms'][1]:.2f} | {s['peer_wall_ms'][1]:.0f} |")
@@ -465,7 +474,7 @@ def table(report: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- profile
 
-CATEGORIES = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+CATEGORIES = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear")),
               ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product")),
               ("copy / layout", ("aten::copy_", "aten::contiguous", "aten::clone", "aten::cat", "aten::to",
                                  "aten::_to_copy", "aten::index", "aten::gather", "aten::slice", "aten::select",
@@ -503,8 +512,6 @@ def one_call(model, prompt: list[int], gen: int):
 
 def profile_size(size: str, args, work: Path) -> None:
     import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
 
     from models import load_model
 
@@ -514,6 +521,15 @@ def profile_size(size: str, args, work: Path) -> None:
     g = torch.Generator().manual_seed(args.seed)
     prompt = [layout["bos"]] + torch.randint(5, cfg["vocab_size"] - 1, (args.prompt,), generator=g).tolist()
     a, k = one_call(model, prompt, args.gen)
+    for gemm in args.gemm:
+        profile_gemm(size, args, model.set_gemm(gemm), a, k)
+
+
+def profile_gemm(size: str, args, model, a, k) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
     with torch.inference_mode():
         for _ in range(2):
             model(*a, **k)
@@ -527,7 +543,7 @@ def profile_size(size: str, args, work: Path) -> None:
             model(*a, **k)
             prof_wall = (time.perf_counter() - t) * 1e3
     shapes = {k2: (tuple(v.shape) if hasattr(v, "shape") else v) for k2, v in k.items()}
-    print(f"\n{size}: one engine call, {n_params_of(model) / 1e6:.1f}M parameters, input "
+    print(f"\n{size} (--gemm {model.gemm}): one engine call, {n_params_of(model) / 1e6:.1f}M parameters, input "
           f"{tuple(a[0].shape)}, kwargs {shapes}, {args.threads} threads")
     print(f"  wall ms (no profiler) min {min(walls):.2f} median {statistics.median(walls):.2f} over {args.reps}")
     print(profile_table(prof.key_averages(), prof_wall, args.top))
@@ -589,11 +605,15 @@ def main(argv=None) -> int:
         r.add_argument("--reps", type=thread_count, default=3)
         r.add_argument("--seed", type=int, default=0)
         r.add_argument("--work", help="checkpoints and GGUFs (default PEER/work)")
+        r.add_argument("--gemm", nargs="+", choices=GEMMS, default=["torch"],
+                       help="the engine's matmul backend(s) (models.transformer.GEMMS; default torch); run: each "
+                            "timed beside the same peer runs; profile: each profiled")
         if name == "run":
             r.add_argument("--out", help="write the report as JSON")
             r.add_argument("--save-output", help="write the first peer run's raw output here")
             r.add_argument("--fa", choices=("off", "on", "auto"), default="off",
                            help="the CLI's flash attention (default off: on, its f16 Q.K changes tokens)")
+
         else:
             r.add_argument("--top", type=thread_count, default=12)
     args = p.parse_args(argv)

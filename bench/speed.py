@@ -56,8 +56,8 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError, aggregate, graphs
-from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_plugin_flag, add_threads_flag, guarded,
-                             plugins_loaded, progress, resolve_device)
+from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_gemm_flag, add_plugin_flag, add_threads_flag,
+                             checked_gemm, guarded, plugins_loaded, progress, resolve_device)
 from engine.config import check_prompts
 from engine.errors import check_regular
 from engine.methods import METHODS
@@ -385,6 +385,7 @@ def build_parser() -> Parser:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first batch of every method")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_gemm_flag(p)
     add_threads_flag(p, THREADS_HELP)
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and random prompts")
     p.add_argument("--cost-curve", action="store_true",
@@ -533,6 +534,7 @@ def _run(args, argv) -> int:
         _check_method_options(args, plan)
     bench_threads(args.threads)
     device = torch.device(resolve_device(args.device))
+    checked_gemm(args.gemm, device, args.dtype)
     dtype = DTYPES[args.dtype]
     random_weights = args.shape is not None
     mc, model_name, model_dir, tok = _model_source(args, dtype, device, plan)
@@ -545,6 +547,7 @@ def _run(args, argv) -> int:
     t_load = time.perf_counter()
     model = build_random(mc, device, dtype, args.seed) if random_weights else load_model(model_dir, dtype=args.dtype,
                                                                                           device=str(device))
+    model.set_gemm(args.gemm)
     load_s = time.perf_counter() - t_load
     stamp, header, summary = _describe(args, model, model_name, device, command, out, load_s)
     if random_weights:
@@ -625,12 +628,13 @@ def _describe(args, model, model_name: str, device: torch.device, command: str, 
     """(stamp on every CSV row, header line of the tables, summary JSON so far) of this run."""
     random_weights = args.shape is not None
     dev_name = device_name(device)
-    stamp = {"device": dev_name, **versions(), "dtype": args.dtype, "model": model_name,
+    stamp = {"device": dev_name, **versions(), "dtype": args.dtype, "gemm": args.gemm, "model": model_name,
              "random_weights": random_weights, "date": datetime.datetime.now().isoformat(timespec="seconds"),
              "command": command}
     header = (f"model={model_name} ({param_count(model) / 1e6:.1f}M parameters{', random weights' if random_weights else ''}) "
-              f"dtype={args.dtype} device={dev_name} torch={stamp['torch']} triton={stamp['triton']}")
+              f"dtype={args.dtype} gemm={args.gemm} device={dev_name} torch={stamp['torch']} triton={stamp['triton']}")
     summary = {"bench": "speed", "out_dir": str(out), "device": dev_name, **versions(), "dtype": args.dtype,
+               "gemm": args.gemm,
                "model": model_name, "random_weights": random_weights, "load_seconds": round(load_s, 2),
                "command": command}
     return stamp, header, summary

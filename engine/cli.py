@@ -18,8 +18,9 @@ from models import CheckpointError, ModelConfig, Tokenizer
 
 from .config import DecodeConfig
 from .errors import MAX_FILE_BYTES, InputError, read_user_text
-from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, add_threads_flag,
-                       decoding_options, guarded, plugins_loaded, resolve_device, set_threads)
+from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag,
+                       add_threads_flag, checked_gemm, decoding_options, guarded, plugins_loaded, resolve_device,
+                       set_threads)
 from .methods import METHODS
 from .uniform import for_model
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_gemm_flag(p)
     add_threads_flag(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -119,11 +121,12 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
 
     check_prompts(mc, dc, [tok.encode(text)])
     device = resolve_device(args.device) if tp is None else tp.device
+    checked_gemm(args.gemm, device, args.dtype, tp is not None)
     set_threads(args.threads)
 
     from models import load_model
 
-    model = load_model(model_dir, dtype=args.dtype, device=device, tp=tp)
+    model = load_model(model_dir, dtype=args.dtype, device=device, tp=tp).set_gemm(args.gemm)
     decoder = distributed.decoder(model, dc)            # under torchrun: rank 0 decodes, the others follow
     if on_text is None:
         res = decoder.generate([tok.encode(text)])[0]

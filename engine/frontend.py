@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from models import DTYPES, CheckpointError
+from models import DTYPES, GEMMS, CheckpointError, check_gemm
 
 from .errors import DecodingError, InputError
 from .graph import DraftGraph
@@ -86,6 +86,27 @@ THREADS_HELP = ("torch CPU threads (default: torch's, one per core, as engine.se
 
 def add_threads_flag(p: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
     p.add_argument("--threads", type=thread_count, metavar="N", help=help)
+
+
+GEMM_HELP = ("how the model's dense projections multiply: torch (F.linear; MKL on a CPU, the default) or onednn "
+             "(oneDNN's matmul over the same weights; CPU, float32 or bfloat16; faster on this project's CPUs, but it "
+             "rounds differently, so where two tokens nearly tie a result may differ: docs/results.md, oneDNN matmuls)")
+
+
+def add_gemm_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gemm", default="torch", choices=list(GEMMS), help=GEMM_HELP)
+
+
+def checked_gemm(kind: str, device, dtype: str, tensor_parallel: bool = False) -> str:
+    """`kind` if a model on `device` with `dtype` weights can run it (checked before loading), else
+    InputError naming the problem."""
+    try:
+        check_gemm(kind, device, DTYPES[dtype])
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if kind != "torch" and tensor_parallel:
+        raise InputError(f"--gemm {kind} is not for tensor parallelism (its ranks would round differently)")
+    return kind
 
 
 def set_threads(n: int | None) -> None:

@@ -73,7 +73,7 @@ class Decoder:
         self.full_plan = make_plan(self.graph, list(range(len(self.graph))), selection, dev)  # every node
         self.budget = None if self.dc.draft_budget != "auto" else DraftBudget(
             self.graph, selection, dev, cost_model, self.dc.cost_profile, self.dc.cache,
-            key=(shape_key(self.mc), *host_key(dev), str(model.tok_embeddings.weight.dtype), self.dc.cache,
+            key=(shape_key(self.mc), *host_key(dev), str(model.tok_embeddings.weight.dtype), model.gemm, self.dc.cache,
                  self.dc.block_length, getattr(model, "tp", None) and model.tp.world, bool(self.dc.compile),
                  bool(self.dc.cuda_graphs), bool(self.dc.static_rows)))
         self.sampler = Sampler(self.dc, self.mc, dev)      # logits -> tokens: the one home of sampling

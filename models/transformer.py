@@ -26,6 +26,36 @@ from .config import ModelConfig
 from .parallel import TensorParallel, check_divisible, row_parallel
 
 
+# How the model's dense projections multiply (`Transformer.set_gemm`): "torch" is F.linear (on a CPU,
+# MKL's sgemm for float32); "onednn" is oneDNN's matmul over the same weights, no copy (CPU only,
+# float32 or bfloat16). The two round float32 sums in different orders (about 1e-6 apart), so
+# "onednn" may change a token where two candidates nearly tie: an opt-in speed option, never the
+# default (docs/results.md, "oneDNN matmuls", measures its speed and its token agreement).
+GEMMS = ("torch", "onednn")
+
+
+def check_gemm(kind: str, device, dtype: torch.dtype) -> None:
+    """ValueError (one line) unless a model on `device` with `dtype` weights can run `kind`."""
+    if kind not in GEMMS:
+        raise ValueError(f"unknown gemm {kind!r}; expected one of {', '.join(GEMMS)}")
+    if kind != "onednn":
+        return
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"--gemm onednn runs on a CPU, not on {torch.device(device).type}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"--gemm onednn takes float32 or bfloat16 weights, not {str(dtype).removeprefix('torch.')}")
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        raise ValueError("--gemm onednn needs a torch built with oneDNN (torch.backends.mkldnn)")
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _onednn_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _onednn_linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, scale: bool = True):
         super().__init__()
@@ -384,6 +414,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.self_cond = SelfConditioning(config) if config.encoder_decoder else None
+        self.gemm = "torch"
+        self._linear = F.linear                  # the tied LM head's product (set_gemm)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -392,6 +424,23 @@ class Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
+
+    def set_gemm(self, kind: str) -> "Transformer":
+        """Run every dense projection (q/k/v/o, the MLPs, the LM head; not the MoE experts or routers)
+        with `kind` (GEMMS); returns the model. "onednn" needs a CPU model of float32 or bfloat16
+        weights and a torch built with oneDNN; each problem is one ValueError line."""
+        check_gemm(kind, self.device, self.dtype)
+        if kind != "torch" and self.tp is not None:
+            raise ValueError(f"--gemm {kind} is not for a tensor-parallel model (its ranks would round differently)")
+        routers = {id(m.router) for m in self.modules() if isinstance(m, (MoE, SoftmaxMoE))}   # stay as they are
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and id(m) not in routers:
+                if kind == "onednn":
+                    m.forward = _onednn_forward.__get__(m)      # this module's forward, no weight copy
+                else:
+                    m.__dict__.pop("forward", None)
+        self.gemm, self._linear = kind, (_onednn_linear if kind == "onednn" else F.linear)
+        return self
 
     def compiled(self) -> "Transformer":
         """A twin of this model whose transformer blocks run under `torch.compile` (dynamic shapes,
@@ -408,7 +457,7 @@ class Transformer(nn.Module):
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
-        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        logits = self._linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
         cap = self.config.logit_softcap
         if cap is None:
             return logits

@@ -11,7 +11,8 @@ import socket
 import sys
 import threading
 
-from ..frontend import DTYPE_CHOICES, Parser, add_decoding_flags, add_plugin_flag, guarded, plugins_loaded
+from ..frontend import (DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag, checked_gemm, guarded,
+                        plugins_loaded, resolve_device)
 from ..errors import InputError
 from ..methods import METHODS
 from .routes import build_app, head_timeout_protocol
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_flag(p)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="model weights' dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_gemm_flag(p)
     p.add_argument("--threads", type=int, help="torch CPU threads of the worker (default: torch's; on a shared "
                                                "CPU 1 is often fastest)")
     p.add_argument("--chat-template", help="Jinja chat template (a file, or the template text) for a checkpoint "
@@ -177,6 +179,7 @@ def _main(args) -> int:
         raise InputError("--api-key must be a non-empty key without spaces")
     from .. import distributed
     tp = distributed.setup(args.device)         # under torchrun: tensor parallel, rank 0 serves
+    checked_gemm(args.gemm, tp.device if tp else resolve_device(args.device), args.dtype, tp is not None)
     if tp is not None and tp.rank != 0:         # the other ranks run its model calls, they bind nothing
         return distributed.serve_follower(Server(args).model_dir, args.dtype, args.device)
     sock = listen(args.host, args.port)

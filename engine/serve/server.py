@@ -106,6 +106,7 @@ class Server:
             tp = current()                     # tensor parallel (torchrun): this rank's shard
             model = load_model(self.model_dir, dtype=self.args.dtype,
                                device=tp.device if tp else resolve_device(self.args.device), tp=tp)
+            model.set_gemm(self.args.gemm)
             Decoder(model, DecodeConfig(**self.defaults))   # the server's default decoder: every check of
             # engine.generate (--compile's compiler, --cuda-graphs' options, ...) before /health says ok
             warm = DecodeConfig(gen_length=1, max_denoising_steps=1) if self.uniform else \
