@@ -107,3 +107,39 @@ def test_a_run_that_lost_its_timing_line_is_repeated(tmp_path):
     fake.write_text(f"#!/bin/sh\ncat {tmp_path}/cut.txt\n")
     with pytest.raises(ValueError, match="total time"):
         peer.run_peer([str(fake)], layout, tries=2)
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def test_answers_tokenizer_prints_eos_and_answers_end_there(tmp_path):
+    from bench import peer_answers as pa
+
+    layout = pa.write_answer_tokenizer(tmp_path, 64, eos=0, mask=1, bos=2)
+    tj = json.loads((tmp_path / "tokenizer.json").read_text())
+    eos = [a for a in tj["added_tokens"] if a["id"] == 0]
+    assert eos == [dict(eos[0], content=pa.EOS_PIECE, special=False)]      # printed by the CLI
+    assert tj["model"]["vocab"][pa.EOS_PIECE] == 0 and "<|eos|>" not in tj["model"]["vocab"]
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["eos_token"] == pa.EOS_PIECE
+    assert 0 not in layout["specials"] and layout["eos"] == 0
+    text = pa.peer_text([7, 0, 9], layout)
+    assert text == "<t7><e><t9>"
+    a, b, ab = sorted(layout["plain"])
+    assert pa.peer_answer_ids(f"<t12>ab<t7>a<e><t9><e><e>", layout) == [12, ab, 7, a]
+    assert pa.peer_answer_ids("<e><t5>", layout) == []
+    with pytest.raises(peer.PeerError, match="no added token"):
+        pa.peer_text([7, a], layout)
+
+
+def test_answers_command_uses_the_timestep_schedule_and_no_bos(tmp_path):
+    from bench import peer_answers as pa
+
+    cmd = pa.peer_cmd(tmp_path, tmp_path / "m.gguf", "<t7>", 10, 64, 16, 1)
+    assert "--diffusion-block-length" not in cmd and cmd[cmd.index("--diffusion-eps") + 1] == "0.001"
+    assert cmd[cmd.index("--diffusion-steps") + 1] == "16" and cmd[cmd.index("-c") + 1] == "74"
+    assert cmd[-2:] == ["--override-kv", "tokenizer.ggml.add_bos_token=bool:false"]
+
+
+def test_answers_without_a_peer_build_is_one_error_line(capsys, tmp_path):
+    assert peer.main(["answers", "--peer", str(tmp_path), "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no ") and "bench.peer build" in err[0]
