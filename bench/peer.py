@@ -40,6 +40,15 @@ call is the mean time of `Transformer.forward` (timed around the model object th
 per step `SequenceResult.seconds / calls`, per token `seconds / tokens`. The process wall time of the
 peer (load included) is printed beside.
 
+CPU time, for a machine others share (wall time then measures the neighbours as much as the program):
+the peer's CPU ms per step is (CPU of its run - CPU of the same run with one step) / (steps - 1), both
+from getrusage of the finished child, so load, one call and exit cancel; the engine's is the process CPU
+time of the decode / its calls (its per-step bookkeeping included). With one thread each this is the
+work each side does per step, whatever else runs; with more threads it also counts spinning workers.
+
+`--gemm torch onednn` times the engine with each matmul backend beside the same peer runs (models.transformer
+GEMMS: onednn is opt-in, it rounds differently).
+
 `profile` times one engine call at the run's shape under torch.profiler and splits it into the model's
 matmuls and the rest.
 """
@@ -308,18 +317,32 @@ def run_peer(cmd: list[str], layout: dict, tries: int = 3) -> dict:
     """One CLI run. Its log is written by a thread that can lose the last lines at exit (seen on short
     runs: no `total time` line, exit status 0): such a run is repeated, up to `tries` runs, and counted."""
     for attempt in range(tries):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), children_cpu()
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, children_cpu() - c0
         if p.returncode != 0:
             raise PeerError(f"llama-diffusion-cli exited {p.returncode}:\n" + "\n".join(p.stdout.splitlines()[-15:]))
         if TIMING.search(p.stdout):
             break
     r = parse_cli_output(p.stdout)
-    r["wall_ms"], r["retries"] = wall * 1e3, attempt
+    r["wall_ms"], r["cpu_ms"], r["retries"] = wall * 1e3, cpu * 1e3, attempt
     r["ids"] = parse_pieces(r.pop("text"), layout)
     r["raw"] = p.stdout
     return r
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return u.ru_utime + u.ru_stime
+
+
+def one_step(cmd: list[str]) -> list[str]:
+    """The same CLI run with one diffusion step: its load, one call and its exit, to subtract."""
+    i = cmd.index("--diffusion-steps")
+    return cmd[:i + 1] + ["1"] + cmd[i + 2:]
 
 
 class ForwardTimer:
@@ -342,12 +365,13 @@ def run_engine(model, timer: ForwardTimer, prompt: list[int], gen: int) -> dict:
     import engine
 
     timer.times.clear()
+    c0 = time.process_time()
     (res,) = engine.generate(model, [prompt], method="left", threshold=1.0, gen_length=gen, block_length=gen,
                              cache="none", temperature=0.0)
-    calls = res.calls
+    calls, cpu = res.calls, time.process_time() - c0
     return {"ids": list(res.token_ids), "calls": calls, "step_ms": res.seconds * 1e3 / calls,
             "call_ms": statistics.fmean(timer.times) * 1e3, "total_ms": res.seconds * 1e3,
-            "forwards": len(timer.times)}
+            "forwards": len(timer.times), "cpu_step_ms": cpu * 1e3 / calls}
 
 
 def summary(xs):
@@ -390,6 +414,8 @@ def interleaved(size: str, args, w: dict) -> list[tuple[dict, dict]]:
     rows = []
     for rep in range(args.reps):
         p = run_peer(cmd, w["layout"])
+        p1 = run_peer(one_step(cmd), w["layout"])        # CPU per step: (cpu - cpu of one step) / (steps - 1)
+        p["cpu_step_ms"] = (p["cpu_ms"] - p1["cpu_ms"]) / max(1, args.gen - 1)
         es = {gemm: run_engine(model.set_gemm(gemm), timer, w["prompt"], args.gen) for gemm in args.gemm}
         rows.append((p, es))
         print(f"  rep {rep}: peer {p['call_ms']:.2f} ms/call ({p['step_ms']:.2f} ms/step, wall "
@@ -413,7 +439,7 @@ def gemm_report(args, w: dict, rows: list[tuple[dict, dict]]) -> dict:
     same = all(p["ids"] == p0["ids"] for p, _ in rows) and all(e["ids"] == e0["ids"] for _, e in rows)
     stats = {}
     for side, k in (("peer", 0), ("engine", 1)):
-        for m in ("call_ms", "step_ms"):
+        for m in ("call_ms", "step_ms", "cpu_step_ms"):
             stats[f"{side}_{m}"] = summary([r[k][m] for r in rows])
         stats[f"{side}_token_ms"] = summary([r[k]["total_ms"] / args.gen for r in rows])
     stats["peer_wall_ms"] = summary([r[0]["wall_ms"] for r in rows])
@@ -459,15 +485,17 @@ def n_params_of(model) -> int:
 
 def table(report: dict) -> str:
     lines = ["| size | engine --gemm | canvas | agree | calls (peer/engine) | peer ms/call min / med | engine ms/call min / med | "
-             "engine ÷ peer (min / med) | peer ms/token min / med | engine ms/token min / med | peer wall ms (med) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "engine ÷ peer (min / med) | CPU ms/step peer / engine (min) | CPU engine ÷ peer (min / med) | peer ms/token min / med | engine ms/token min / med | peer wall ms (med) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, gemm, r in ((size, g, r) for size, by in report["sizes"].items() for g, r in by.items()):
         s = r["stats"]
         pc, ec = s["peer_call_ms"], s["engine_call_ms"]
         lines.append(
             f"| {size} ({r['params'] / 1e6:.1f}M) | {gemm} | {r['canvas']} | {r['agree']}/{report['gen']} | "
             f"{r['peer_calls']}/{r['engine_calls']} | {pc[0]:.2f} / {pc[1]:.2f} | {ec[0]:.2f} / {ec[1]:.2f} | "
-            f"{ec[0] / pc[0]:.2f} / {ec[1] / pc[1]:.2f} | {s['peer_token_ms'][0]:.2f} / {s['peer_token_ms'][1]:.2f} | "
+            f"{ec[0] / pc[0]:.2f} / {ec[1] / pc[1]:.2f} | {s['peer_cpu_step_ms'][0]:.2f} / "
+            f"{s['engine_cpu_step_ms'][0]:.2f} | {s['engine_cpu_step_ms'][0] / s['peer_cpu_step_ms'][0]:.2f} / "
+            f"{s['engine_cpu_step_ms'][1] / s['peer_cpu_step_ms'][1]:.2f} | {s['peer_token_ms'][0]:.2f} / {s['peer_token_ms'][1]:.2f} | "
             f"{s['engine_token_ms'][0]:.2f} / {s['engine_token_ms'][1]:.2f} | {s['peer_wall_ms'][1]:.0f} |")
     return "\n".join(lines)
 

@@ -32,6 +32,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 from . import peer as P
@@ -116,18 +117,30 @@ def peer_cmd(peer: Path, gguf: Path, text: str, n_prompt: int, gen: int, steps: 
 
 
 def run_peer_answer(cmd: list[str], so: Path, layout: dict) -> dict:
+    c0 = P.children_cpu()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LD_PRELOAD": str(so)})
+    cpu = P.children_cpu() - c0
     out = p.stdout + p.stderr
     if p.returncode != 0 or not P.TIMING.search(out):
         raise P.PeerError(f"llama-diffusion-cli exited {p.returncode} without its timing line:\n"
                           + "\n".join(out.splitlines()[-8:]))
     r = P.parse_cli_output(out)
-    return {"ms": r["total_ms"], "ids": peer_answer_ids(r["text"], layout)}
+    return {"ms": r["total_ms"], "cpu_ms": cpu * 1e3, "ids": peer_answer_ids(r["text"], layout)}
 
 
 def engine_answer(decoder, ids: list[int]) -> dict:
+    c0 = time.process_time()
     (res,) = decoder.generate([ids])
-    return {"ms": res.seconds * 1e3, "ids": list(res.token_ids), "calls": res.calls}
+    return {"ms": res.seconds * 1e3, "cpu_ms": (time.process_time() - c0) * 1e3, "ids": list(res.token_ids),
+            "calls": res.calls}
+
+
+def peer_load_cpu(peer: Path, gguf: Path, so: Path, layout: dict, texts: list, args) -> float:
+    """The CLI's CPU ms of a run beyond its decoding: the median of one-step runs (load, one call,
+    exit), subtracted from every run's CPU so that both sides count the decoding of an answer."""
+    runs = [run_peer_answer(peer_cmd(peer, gguf, t, n, args.gen, 1, args.threads), so, layout)["cpu_ms"]
+            for t, n in texts]
+    return statistics.median(runs)
 
 
 def answers(args) -> int:
@@ -156,22 +169,26 @@ def answers(args) -> int:
         decoders[spec] = Decoder(model, DecodeConfig(name, **{"gen_length": args.gen, "block_length": args.block,
                                                               "cache": args.cache, **opts}))
     sides = [(f"llama.cpp steps={s}", s) for s in args.steps] + [(f"engine {k}", k) for k in decoders]
-    rec = {name: {"ok": [], "ms": [], "calls": []} for name, _ in sides}
+    rec = {name: {"ok": [], "ms": [], "cpu_ms": [], "calls": []} for name, _ in sides}
+    first = [(tok.encode(task.format_prompt(pr)), None) for pr in problems[:5]]
+    load = peer_load_cpu(peer, gguf, so, layout, [(peer_text(i, layout), len(i)) for i, _ in first], args)
     for n, pr in enumerate(problems):
         ids = tok.encode(task.format_prompt(pr))
         text = peer_text(ids, layout)
         for name, s in sides:
             if name.startswith("llama.cpp"):
                 r = run_peer_answer(peer_cmd(peer, gguf, text, len(ids), args.gen, s, args.threads), so, layout)
-                r["calls"] = s
+                r["calls"], r["cpu_ms"] = s, r["cpu_ms"] - load
             else:
                 r = engine_answer(decoders[s], ids)
             completion = truncate_at(tok.decode(r["ids"]), getattr(task, "STOP_SEQUENCES", ()))
             rec[name]["ok"].append(bool(task.score(completion, pr)))
             rec[name]["ms"].append(r["ms"])
+            rec[name]["cpu_ms"].append(r["cpu_ms"])
             rec[name]["calls"].append(r["calls"])
         if (n + 1) % 10 == 0:
             print(f"  {n + 1}/{len(problems)} problems", flush=True)
+    print(f"the CLI's load + one call + exit, subtracted from its CPU: {load:.0f} ms (median of 5 one-step runs)")
     print(report_table(rec, len(problems)))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
@@ -180,9 +197,10 @@ def answers(args) -> int:
 
 
 def report_table(rec: dict, n: int) -> str:
-    lines = [f"| side and setting | accuracy ({n} problems) | ms per answer mean / median | calls per answer |",
-             "|---|---|---|---|"]
+    lines = [f"| side and setting | accuracy ({n} problems) | ms per answer mean / median | CPU ms per answer mean | "
+             f"calls per answer |", "|---|---|---|---|---|"]
     for name, r in rec.items():
         lines.append(f"| {name} | {100 * sum(r['ok']) / n:.1f}% | {statistics.fmean(r['ms']):.0f} / "
-                     f"{statistics.median(r['ms']):.0f} | {statistics.fmean(r['calls']):.1f} |")
+                     f"{statistics.median(r['ms']):.0f} | {statistics.fmean(r['cpu_ms']):.0f} | "
+                     f"{statistics.fmean(r['calls']):.1f} |")
     return "\n".join(lines)
