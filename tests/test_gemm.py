@@ -3,6 +3,8 @@ CPU speed option. It must run every projection it claims (and not the MoE router
 default to rounding, come back exactly to the default, and refuse what it cannot run in one line."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -73,3 +75,14 @@ def test_cli_gemm_flag(capsys):
     code, out, err = run_main(generate_main, ["--gemm", "onednn", "--dtype", "float64", "--device", "cpu", "2+2="],
                               capsys)
     assert code == 2 and err.strip().count("\n") == 0 and "float32 or bfloat16" in err
+
+
+def test_gemm_agreement_reports_both_backends(capsys):
+    from bench import gemm_agreement
+
+    code, out, err = run_main(gemm_agreement.main, ["--limit", "2", "--batch-size", "1", "--gen-length", "32",
+                                                    "--methods", "confidence:threshold=0.9"], capsys)
+    assert code == 0, err
+    row = json.loads(out.strip().splitlines()[-1])["rows"][0]
+    assert 0.9 <= row["token_agreement"] <= 1 and set(row["accuracy"]) == {"torch", "onednn"}
+    assert all(v > 0 for v in row["cpu_s"].values())
