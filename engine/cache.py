@@ -8,15 +8,20 @@
 
 Each mode has `start` (the first call of a block; returns its logits and the block's cache) and
 `call` (a later call of rows over that cache). Drafts of one sequence share its cache row:
-`rows` maps every row of a call to the cache row of its sequence.
+`rows` maps every row of a call to the cache row of its sequence. The cached modes keep their
+keys/values in the mode's `store` (engine/kvstore.py): allocated once, rewritten block after
+block; `widen` and `appending` are how rows joining an open block reach it (`Decoder.join`).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from models import KVCache, attention_mask
+from models import attention_mask
+
+from .kvstore import KVStore
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Window:
 
 class NoCache:
     name = "none"
+    store = None                          # no keys/values kept between calls
 
     def __init__(self, model):
         self.model, self.mc = model, model.config
@@ -55,9 +61,17 @@ class NoCache:
     def call(self, x, valid, pos, win: Window, cache, rows):
         return self._full(x, valid, pos, win, False)[0]
 
+    def appending(self, cache):
+        """A context in which `start` adds rows to the open block's `cache` (rows joining it)."""
+        return contextlib.nullcontext()
+
 
 class PrefixCache(NoCache):
     name = "prefix"
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.store = KVStore()            # the K/V memory of every block this mode opens
 
     def query_span(self, win: Window, n: int) -> tuple[int, int]:
         """Canvas span a cached call runs: one position before the window for a logit shift, the
@@ -65,18 +79,23 @@ class PrefixCache(NoCache):
         hi = n if self.mc.attention == "bidirectional" else win.hi
         return win.lo - self.mc.logit_shift, hi
 
+    def cached_spans(self, win: Window, n: int) -> list[tuple[int, int]]:
+        """The cached canvas columns, as (start, stop) spans in key order."""
+        return [(0, self.query_span(win, n)[0])]
+
     def cached_positions(self, win: Window, n: int, device) -> torch.Tensor:
-        q_lo, q_hi = self.query_span(win, n)
-        return torch.arange(q_lo, device=device)
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.cached_spans(win, n)])
 
     def start(self, x, valid, pos, win: Window):
         logits, kvs = self._full(x, valid, pos, win, True)
         idx = self.cached_positions(win, x.shape[1], x.device)
-        layers = [(k[:, :, idx], v[:, :, idx]) for k, v in kvs]
         probe = torch.tensor([win.lo], device=x.device)   # any block query: cache visibility is query-independent
-        return logits, KVCache(layers, win.mask(self.mc, valid, probe, idx)[:, 0, 0])
+        # the cached columns of every layer, copied into the store's memory (no new tensors per block)
+        return logits, self.store.write(kvs, self.cached_spans(win, x.shape[1]),
+                                        win.mask(self.mc, valid, probe, idx)[:, 0, 0], x.shape[1])
 
     def call(self, x, valid, pos, win: Window, cache, rows):
+        self.store.check(cache)
         q_lo, q_hi = self.query_span(win, x.shape[1])
         q_idx = torch.arange(q_lo, q_hi, device=x.device)
         own = win.mask(self.mc, valid, q_idx, q_idx)
@@ -85,6 +104,15 @@ class PrefixCache(NoCache):
         logits, _ = self.model(x[:, q_lo:q_hi], pos[:, q_lo:q_hi], own, cache=bound, out_start=0, out_len=win.width)
         return logits
 
+    def appending(self, cache):
+        return self.store.after(cache)
+
+    def widen(self, cache, win: Window, n: int, left: int):
+        """The open block's `cache` on a canvas widened to `n` columns, `left` of them before the
+        old first (`win`: the block's window there); the new cached columns are invisible."""
+        back = sum(b - a for a, b in self.cached_spans(win, n)) - cache.key_mask.shape[1] - left
+        return self.store.widen(cache, left, back)
+
 
 class DualCache(PrefixCache):
     name = "dual"
@@ -92,11 +120,11 @@ class DualCache(PrefixCache):
     def query_span(self, win: Window, n: int) -> tuple[int, int]:
         return win.lo - self.mc.logit_shift, win.hi
 
-    def cached_positions(self, win: Window, n: int, device) -> torch.Tensor:
-        prefix = super().cached_positions(win, n, device)
+    def cached_spans(self, win: Window, n: int) -> list[tuple[int, int]]:
+        prefix = super().cached_spans(win, n)
         if self.mc.attention != "bidirectional":   # the suffix is invisible to a context-causal block
             return prefix
-        return torch.cat((prefix, torch.arange(win.hi, n, device=device)))
+        return prefix + [(win.hi, n)]
 
 
 CACHE_MODES = {mode.name: mode for mode in (NoCache, PrefixCache, DualCache)}

@@ -79,18 +79,24 @@ class Decoder:
         self.sampler = Sampler(self.dc, self.mc, dev)      # logits -> tokens: the one home of sampling
         # uniform-noise models (no mask token): the paradigm's stages replace the masked ones (engine/uniform.py)
         self.uniform = UniformNoise(model, self.dc, self.mc) if self.mc.mask_token_id is None else None
+        if self.uniform is not None and self.dc.sampler == "row":
+            raise InputError("--sampler row is for masked models: a uniform-noise model draws its batch as transformers "
+                             "does (docs/algorithms.md §9)")
 
     def check_prompts(self, prompts) -> list[list[int]]:
         return check_prompts(self.mc, self.dc, prompts)
 
     # ------------------------------------------------------------------ batch and blocks
-    def _new_batch(self, prompts, gen_lengths: list[int] | None = None) -> Batch:
-        """A batch of (checked) prompts; `gen_lengths`: one per prompt (default: the config's)."""
+    def _new_batch(self, prompts, gen_lengths: list[int] | None = None, seeds: list | None = None) -> Batch:
+        """A batch of (checked) prompts; `gen_lengths`: one per prompt (default: the config's);
+        `seeds`: one per prompt for `--sampler row` (default: the config's seed + the row)."""
         lengths = gen_lengths or [self.dc.gen_length] * len(prompts)
         batch = new_batch(self.mc, prompts, lengths, self.dc.block_length, self.graph.depth, len(self.graph),
                           self.model.device, self.dc.top_logprobs, aligned=self.dc.aligned(self.mc))
         batch.policy_state = self.policy.init_state(prompts, self.dc.seed, batch.gen_start, batch.gen_len,
                                                     batch.x.shape[1])          # None: a stateless policy
+        batch.gens = self.sampler.generators(
+            [self.dc.seed + i if s is None else s for i, s in enumerate(seeds or [None] * len(prompts))])
         return batch
 
     def _open_block(self, batch: Batch) -> BlockRun | None:
@@ -110,7 +116,8 @@ class Decoder:
         if seqs.numel() == 0:
             return None
         x, valid, pos = batch.x[seqs], batch.valid[seqs], batch.pos[seqs]
-        pred, conf, top, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win)
+        gens = None if batch.gens is None else [batch.gens[i] for i in seqs.tolist()]     # --sampler row
+        pred, conf, top, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win, gens)
         S, dev = seqs.numel(), x.device
         span = slice(lo, lo + win.width + win.ahead)            # --cross-block: drafts reach the next block
 
@@ -126,21 +133,21 @@ class Decoder:
             nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
             carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
             policy_state=None if batch.policy_state is None else batch.policy_state.take(seqs, span), top=top,
-            post=zeros() if self.policy.edits else None)
+            post=zeros() if self.policy.edits else None, gens=gens)
         if self.budget is not None:             # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
         return run
 
-    def _first_output(self, batch: Batch, seqs, x, valid, pos, win):
+    def _first_output(self, batch: Batch, seqs, x, valid, pos, win, gens=None):
         """The block's first output (pred, conf [S, W], top [S, W, k, 2] or None), its next-block
         part, cache, calls made [S] and the step each row starts at (ahead.py: a draft may have
         taken steps here already)."""
         if self.dc.cross_block:
-            return first_output(self, batch, seqs, x, valid, pos, win)
+            return first_output(self, batch, seqs, x, valid, pos, win, gens)
         logits, cache = self.cache_mode.start(x, valid, pos, win)
         one = torch.ones(len(seqs), dtype=torch.long, device=x.device)
-        return *self.sampler.predict(logits, batch.gen_start[seqs], win.lo), (None, None), cache, one, one - 1
+        return *self.sampler.predict(logits, batch.gen_start[seqs], win.lo, gens), (None, None), cache, one, one - 1
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
         if self.uniform is not None:
@@ -248,7 +255,8 @@ class Decoder:
         win, dev, W = run.win, drafts.device, run.win.width
         pair, seq_rows, canvases = self._canvases(run, act, drafts, valid)
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
-        pred, conf, top = self.sampler.predict(logits, run.gen_start[seq_rows], win.lo)
+        gens = None if run.gens is None else [run.gens[i] for i in seq_rows.tolist()]     # --sampler row
+        pred, conf, top = self.sampler.predict(logits, run.gen_start[seq_rows], win.lo, gens)
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W,
@@ -279,13 +287,17 @@ class Decoder:
             apply_stopping(run, self.stop_ids, self.mc.mask_token_id, act)
 
     # ------------------------------------------------------------------ the step
-    def start(self, prompts, gen_lengths: list[int] | None = None, live: bool = False) -> BatchState:
+    def start(self, prompts, gen_lengths: list[int] | None = None, live: bool = False,
+              seeds: list | None = None) -> BatchState:
         """A running batch of `prompts` (token-id lists; `gen_lengths`: one per prompt, default the
         config's), each checked; nothing is decoded until `step`. `live`: rows may join later
-        (`join`; continuous batching, engine.live)."""
+        (`join`; continuous batching, engine.live). `seeds`: each prompt's sampling seed with
+        `--sampler row` (None, or None for a prompt: the config's seed + its row)."""
         checked = [check_prompts(self.mc, self.dc, [p], gen_length=g)[0] for p, g in zip(prompts, gen_lengths)] \
             if gen_lengths else self.check_prompts(prompts)
-        return BatchState(self._new_batch(checked, gen_lengths), live=live, t0=time.perf_counter())
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        return BatchState(self._new_batch(checked, gen_lengths, seeds), live=live, t0=time.perf_counter())
 
     def step(self, state: BatchState) -> bool:
         """Advance `state` to its next model call and make it: the first call of the block at the
@@ -335,13 +347,13 @@ class Decoder:
         return self.budget is None and not self.dc.cross_block and self.uniform is None and \
             getattr(self.model, "tp", None) is None
 
-    def join(self, state: BatchState, prompts, gen_lengths: list[int]) -> None:
+    def join(self, state: BatchState, prompts, gen_lengths: list[int], seeds: list | None = None) -> None:
         """Rows join `state`: each new row's first block opens at the batch's cursor, where the
         others' current (or next) block is (`engine.state.join` pads whichever side is shorter).
         At a block boundary that is all; inside an open block (`joins_inside_a_block`) the new rows
         take their block's first call now — one model call of the new rows — and then step with
         the others."""
-        new = self.start(prompts, gen_lengths).batch
+        new = self.start(prompts, gen_lengths, seeds=seeds).batch
         pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
         if state.batch is None or state.run is None:
             state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos)
@@ -354,7 +366,8 @@ class Decoder:
         self._widen(run, merged, left, merged.x.shape[1] - old.x.shape[1] - left)
         state.batch = merged
         rows = torch.arange(old.x.shape[0], merged.x.shape[0], device=merged.x.device)
-        fresh = self._open_block(merged.take(rows))     # the new rows' first call
+        with self.cache_mode.appending(run.cache):      # their cache rows go after the open block's
+            fresh = self._open_block(merged.take(rows))     # the new rows' first call
         if fresh is not None:
             fresh.seqs = rows[fresh.seqs]
             state.run = run.joined(fresh)
@@ -372,14 +385,8 @@ class Decoder:
         # columns are padding): the next block's first call takes the batch's, and a fresh cache
         run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
         run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left)
-        if run.cache is not None:
-            # every mode caches from column 0 on: `left` invisible keys before, what the suffix grew after
-            back = len(self.cache_mode.cached_positions(run.win, N + left + right, run.x.device)) - \
-                run.cache.key_mask.shape[1] - left
-            run.cache = dataclasses.replace(
-                run.cache, layers=[(pad_columns(k, left, back, 0, dim=2), pad_columns(v, left, back, 0, dim=2))
-                                   for k, v in run.cache.layers],
-                key_mask=pad_columns(run.cache.key_mask, left, back, False))
+        if run.cache is not None:     # every mode caches from column 0 on: `left` invisible keys first
+            run.cache = self.cache_mode.widen(run.cache, run.win, N + left + right, left)
 
     def leave(self, state: BatchState, rows: list[int]) -> None:
         """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep
@@ -407,15 +414,15 @@ class Decoder:
         secs = time.perf_counter() - state.t0 if seconds is None else seconds
         return collect_results(state.batch, self.dc.block_length, secs, rows=rows)
 
-    def stream(self, prompts):
+    def stream(self, prompts, seeds: list | None = None):
         """Decode like `generate`, yielding a `StreamUpdate` after every model call: per sequence,
         the tokens that became final with that call (the left-most fully committed prefix grows;
         tokens committed out of order inside a block wait for the masks before them). The last
         update also carries the `SequenceResult`s; its pieces end every sequence, so the pieces
         of a sequence concatenate to exactly its `token_ids` (their `probs` to its `commit_prob`, their
         `tops` to its `commit_top`).
-        Reads back [B] values per call."""
-        state = self.start(prompts)
+        Reads back [B] values per call. `seeds`: as for `start`."""
+        state = self.start(prompts, seeds=seeds)
         sent = [0] * state.batch.x.shape[0]
         with torch.no_grad():
             while not state.done:

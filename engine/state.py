@@ -10,6 +10,7 @@ import torch
 from models import position_ids
 
 from .cache import Window
+from .kvstore import join_caches
 from .policies import PolicyState
 
 
@@ -116,6 +117,7 @@ class Batch:
     carry_step: torch.Tensor       # [B] the step inside the next block its kept draft reached
     policy_state: PolicyState | None = None   # the policy's per-sequence state (Policy.init_state)
     pad_id: int = 0                # the token at padded columns (never the mask id)
+    gens: list | None = None       # --sampler row: each row's sampling generator (Sampler.generators); None otherwise
     out_len: torch.Tensor | None = None      # [B] generated positions a result keeps (None: gen_len); fewer
                                              # with --align sequence, whose last block runs past gen length
     retired: torch.Tensor | None = None      # [B] bool: the row left the batch inside a block (Decoder.leave):
@@ -145,6 +147,7 @@ class Batch:
             kw[name] = None if v is None else v[rows]
         kw["policy_state"] = None if self.policy_state is None else self.policy_state.take(rows)
         kw["commits"] = self.commits.take(rows)
+        kw["gens"] = None if self.gens is None else [self.gens[i] for i in torch.as_tensor(rows).reshape(-1).tolist()]
         return Batch(**kw)
 
     def shift(self, left: int, right: int, position_ids) -> "Batch":
@@ -188,6 +191,7 @@ def join(a: Batch, b: Batch, position_ids) -> Batch:
         kw[name] = None if va is None else torch.cat((va, vb.to(va.dtype)))
     kw["policy_state"] = None if a.policy_state is None else a.policy_state.join(b.policy_state)
     kw["commits"] = Commits.cat(a.commits, b.commits)
+    kw["gens"] = None if a.gens is None else a.gens + b.gens
     return Batch(**kw)
 
 
@@ -227,6 +231,7 @@ class BlockRun:
     post: torch.Tensor | None = None         # [S] token editing (Policy.edits): editing passes taken on the
                                              # block after its last mask was filled; None without editing
     noise: object = None                     # uniform-noise models: the block's denoising state (uniform.Canvas)
+    gens: list | None = None                 # --sampler row: each row's sampling generator (Batch.gens)
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
@@ -240,16 +245,16 @@ class BlockRun:
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name in ("index", "win", "plan") or a is None:
                 kw[f.name] = a
+            elif isinstance(a, list):                   # --sampler row: the rows' generators
+                kw[f.name] = a + b
             elif isinstance(a, torch.Tensor):
                 kw[f.name] = torch.cat((a, b.to(a.dtype)))
             elif isinstance(a, Commits):
                 kw[f.name] = Commits.cat(a, b)
             elif isinstance(a, PolicyState):
                 kw[f.name] = a.join(b)
-            else:                                       # the cache: per-row keys/values of equal length
-                kw[f.name] = dataclasses.replace(a, layers=[(torch.cat((k, k2)), torch.cat((v, v2))) for (k, v), (k2, v2)
-                                                            in zip(a.layers, b.layers)],
-                                                 key_mask=torch.cat((a.key_mask, b.key_mask)))
+            else:                    # the cache: b's rows follow a's in their store (one view), or concatenated
+                kw[f.name] = join_caches(a, b)
         return BlockRun(**kw)
 
     def retire(self, rows) -> None:

@@ -113,6 +113,8 @@ class KVCache:
               to the call's rows (not per layer); every layer's attention reads it.
     positions: [Bc, S] int64 RoPE positions of the cached keys, or None; needed only by models
               with sliding-window layers (DiffusionGemma), whose windows count positions.
+    slots:    where layers and key_mask live when they are views of an owned store's memory
+              (engine/kvstore.py: its rows and epoch), or None: tensors of their own.
     """
 
     layers: list
@@ -121,6 +123,7 @@ class KVCache:
     plan: object = field(default=None, repr=False, compare=False)
     own_masked: bool = False
     positions: torch.Tensor | None = None
+    slots: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.row_map is not None and self.plan is None:
@@ -133,7 +136,8 @@ class KVCache:
         return self.key_mask.shape[1]
 
     def for_rows(self, row_map: torch.Tensor | None, own_masked: bool = False) -> "KVCache":
-        return KVCache(self.layers, self.key_mask, row_map, own_masked=own_masked, positions=self.positions)
+        return KVCache(self.layers, self.key_mask, row_map, own_masked=own_masked, positions=self.positions,
+                       slots=self.slots)
 
 
 def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = None, all_own: bool = False,
