@@ -10,7 +10,8 @@ Each mode has `start` (the first call of a block; returns its logits and the blo
 `call` (a later call of rows over that cache). Drafts of one sequence share its cache row:
 `rows` maps every row of a call to the cache row of its sequence. The cached modes keep their
 keys/values in the mode's `store` (engine/kvstore.py): allocated once, rewritten block after
-block; `widen` and `appending` are how rows joining an open block reach it (`Decoder.join`).
+block of a batch, freed when the batch ends (`release`); `widen` and `appending` are how rows
+joining an open block reach it (`Decoder.join`).
 """
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ class NoCache:
         """A context in which `start` adds rows to the open block's `cache` (rows joining it)."""
         return contextlib.nullcontext()
 
+    def release(self) -> None:
+        """Free the K/V memory kept for the batch that just ended."""
+
 
 class PrefixCache(NoCache):
     name = "prefix"
@@ -107,11 +111,15 @@ class PrefixCache(NoCache):
     def appending(self, cache):
         return self.store.after(cache)
 
-    def widen(self, cache, win: Window, n: int, left: int):
+    def release(self) -> None:
+        self.store.release()
+
+    def widen(self, cache, win: Window, n: int, left: int, rows: int = 0):
         """The open block's `cache` on a canvas widened to `n` columns, `left` of them before the
-        old first (`win`: the block's window there); the new cached columns are invisible."""
+        old first (`win`: the block's window there); the new cached columns are invisible. The
+        store makes room for `rows` rows (those about to join too) on that canvas."""
         back = sum(b - a for a, b in self.cached_spans(win, n)) - cache.key_mask.shape[1] - left
-        return self.store.widen(cache, left, back)
+        return self.store.widen(cache, left, back, cols_cap=n, rows_cap=rows)
 
 
 class DualCache(PrefixCache):

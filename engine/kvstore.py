@@ -7,9 +7,9 @@ into the regions and returns a `models.KVCache` whose layers are views of them: 
 [S, Hkv, C, D] tensors with exactly the shape, strides, order and values the gathered copies had,
 at region starts aligned as a fresh allocation is, so attention runs unchanged. The arena is
 allocated at a batch's first block (rows x canvas columns, this dtype and device), reused by every
-later block (prefix caches grow within it, dual caches keep their size) and by the next batch of
-the same shape, and grown only when a batch gets more rows or a wider canvas (rows joining,
-`Decoder.join`): then the rows still in use move to the new arena.
+later block (prefix caches grow within it, dual caches keep their size), grown only when the batch
+gets more rows or a wider canvas (rows joining, `Decoder.join`: the rows still in use move to the
+new arena), and freed when the batch ends (`release`; a live batch never ends by itself).
 
 Slots: the cache rows of a block are rows [row0, row0 + rows) of the layout with `cols` columns.
 Rows that join an open block (`after`) are written right after the running block's rows, so the
@@ -115,6 +115,14 @@ class KVStore:
             self._mask_view(keep.row0, keep.rows, keep.cols).copy_(
                 o_masks[keep.row0 * keep.cols:(keep.row0 + keep.rows) * keep.cols].view(keep.rows, keep.cols))
 
+    def release(self) -> None:
+        """Free the arena (the batch ended; an idle decoder holds no K/V memory). Every cache it
+        handed out is stale from now on."""
+        self.arena = self.masks = None
+        self.heads, self.offsets = [], []
+        self.rows_cap = self.cols_cap = 0
+        self.epoch += 1
+
     # ---------------------------------------------------------------- a block's cache
     def live(self, cache) -> Slots | None:
         """The slots of `cache` if it is this store's current memory, else None."""
@@ -166,9 +174,11 @@ class KVStore:
         layers = [(self._view(i, row0, rows, cols), self._view(i + 1, row0, rows, cols)) for i in range(0, n, 2)]
         return KVCache(layers, self._mask_view(row0, rows, cols), slots=Slots(self, self.epoch, row0, rows, cols))
 
-    def widen(self, cache: KVCache, left: int, back: int) -> KVCache:
+    def widen(self, cache: KVCache, left: int, back: int, cols_cap: int = 0, rows_cap: int = 0) -> KVCache:
         """`cache` with `left` invisible columns before its first and `back` after its last (rows
-        with longer prompts joined the batch); re-laid out in the store when it lives there."""
+        with longer prompts joined the batch); re-laid out in the store when it lives there, which
+        then has room for `rows_cap` rows (the rows about to join) of `cols_cap` columns (the new
+        canvas), so the join and the later blocks need no second allocation."""
         s = self.live(cache)
         if s is None or s.row0 != 0:
             return dataclasses.replace(cache, layers=[(_padded(k, left, back, 0), _padded(v, left, back, 0))
@@ -176,7 +186,7 @@ class KVStore:
                                        key_mask=_padded(cache.key_mask, left, back, False))
         C2 = s.cols + left + back
         old = [t.clone() for kv in cache.layers for t in kv] + [cache.key_mask.clone()]   # rows overlap their move
-        self._reserve(self.heads, self.arena.dtype, self.arena.device, s.rows, C2)
+        self._reserve(self.heads, self.arena.dtype, self.arena.device, max(s.rows, rows_cap), max(C2, cols_cap))
         self.epoch += 1
         for i, src in enumerate(old[:-1]):
             dst = self._view(i, 0, s.rows, C2)

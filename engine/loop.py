@@ -320,6 +320,8 @@ class Decoder:
                 if not (batch.stop_at < 0).any():
                     break
             state.done = not state.live
+            if state.done:
+                self.cache_mode.release()       # the batch is over: its KV memory goes (engine/kvstore.py)
             return False
         masked = self._commit(run)
         act = run.pending.nonzero()[:, 0]                # one small read-back per step
@@ -386,7 +388,7 @@ class Decoder:
         run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
         run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left)
         if run.cache is not None:     # every mode caches from column 0 on: `left` invisible keys first
-            run.cache = self.cache_mode.widen(run.cache, run.win, N + left + right, left)
+            run.cache = self.cache_mode.widen(run.cache, run.win, N + left + right, left, rows=batch.x.shape[0])
 
     def leave(self, state: BatchState, rows: list[int]) -> None:
         """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep
