@@ -21,11 +21,11 @@ import psd_kernels
 from .state import state_of
 
 
-def first_output(decoder, batch, seqs, x, valid, pos, win):
+def first_output(decoder, batch, seqs, x, valid, pos, win, gens=None):
     """The block's first output for rows `seqs`: carried over where the previous block was
     completed by a kept draft, else from a call of the other rows. Returns (pred, conf [S, W],
     None: no alternatives (--top-logprobs is refused with --cross-block), (next-block pred, conf)
-    or (None, None), cache, called [S] long, step [S] long)."""
+    or (None, None), cache, called [S] long, step [S] long). `gens`: the rows' generators (--sampler row)."""
     carried = batch.carry_ok[seqs]
     batch.carry_ok.zero_()                         # a carry serves the block right after it only
     fresh = (~carried).nonzero()[:, 0]                                  # a second small read per block
@@ -38,7 +38,8 @@ def first_output(decoder, batch, seqs, x, valid, pos, win):
     cache = None
     if fresh.numel():
         logits, cache = decoder.cache_mode.start(x[fresh], valid[fresh], pos[fresh], win)
-        pred_f, conf_f, _ = decoder.sampler.predict(logits, batch.gen_start[seqs[fresh]], win.lo)
+        rows_gens = None if gens is None else [gens[i] for i in fresh.tolist()]
+        pred_f, conf_f, _ = decoder.sampler.predict(logits, batch.gen_start[seqs[fresh]], win.lo, rows_gens)
         conf = conf.to(conf_f.dtype)
         pred[fresh], conf[fresh] = pred_f[:, :W], conf_f[:, :W]
         if win.ahead:

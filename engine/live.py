@@ -55,7 +55,7 @@ class LiveBatch:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
         check_batchable(decoder.mc)
         self.dec, self.max_rows = decoder, max_rows
-        self.waiting: list[tuple[int, list[int], int]] = []      # (handle, prompt ids, gen length)
+        self.waiting: list[tuple[int, list[int], int, int | None]] = []   # (handle, prompt ids, gen length, seed)
         self.handles: list[int] = []                             # the batch's rows, in order
         self.sent: dict[int, int] = {}                           # tokens of a handle already handed out
         self.joined: dict[int, float] = {}
@@ -66,23 +66,23 @@ class LiveBatch:
         self._ended: LiveUpdate = LiveUpdate()                   # what the last block boundary ended
 
     # ------------------------------------------------------------------ the caller's side
-    def add(self, prompt_ids, gen_length: int | None = None) -> int:
+    def add(self, prompt_ids, gen_length: int | None = None, seed: int | None = None) -> int:
         """Queue one sequence (token ids); it joins with the next step (at the next block boundary where
-        `Decoder.joins_inside_a_block` is False). Checked now: an
-        InputError for a bad prompt or length."""
+        `Decoder.joins_inside_a_block` is False). `seed`: its own sampling seed (`--sampler row`;
+        default the config's seed + its row). Checked now: an InputError for a bad prompt or length."""
         dc = self.dec.dc
         g = dc.gen_length if gen_length is None else gen_length
         if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g % dc.block_length:
             raise InputError(f"gen length {g!r} must be a positive multiple of the block length {dc.block_length}")
         ids = check_prompts(self.dec.mc, dc, [prompt_ids], gen_length=g)[0]
         handle = next(self._ids)
-        self.waiting.append((handle, ids, g))
+        self.waiting.append((handle, ids, g, seed))
         return handle
 
     def cancel(self, handle: int) -> None:
         """Stop decoding `handle`: no model call after this one includes it (its row leaves the
         batch at the next block boundary; a waiting one never joins); no result is reported for it."""
-        if any(h == handle for h, _, _ in self.waiting):
+        if any(w[0] == handle for w in self.waiting):
             self.waiting = [w for w in self.waiting if w[0] != handle]
         elif handle in self.handles:
             self.cancelled.add(handle)
@@ -175,12 +175,13 @@ class LiveBatch:
         """Waiting sequences join, as many as there is room for: at a block boundary, or into the
         open block (`Decoder.join` makes their first call at once)."""
         joining, self.waiting = self.waiting[:self._room()], self.waiting[self._room():]
-        prompts, lengths = [p for _, p, _ in joining], [g for _, _, g in joining]
+        prompts, lengths, seeds = [w[1] for w in joining], [w[2] for w in joining], [w[3] for w in joining]
+        seeds = None if all(s is None for s in seeds) else seeds
         if self.state is None:
-            self.state = self.dec.start(prompts, lengths, live=True)
+            self.state = self.dec.start(prompts, lengths, live=True, seeds=seeds)
         else:
-            self.dec.join(self.state, prompts, lengths)
-        for h, _, _ in joining:
+            self.dec.join(self.state, prompts, lengths, seeds=seeds)
+        for h, *_ in joining:
             self.handles.append(h)
             self.sent[h], self.joined[h] = 0, now
 

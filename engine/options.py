@@ -230,6 +230,10 @@ for _o in (
            general=True),
     Option("seed", int, "seed of the sampling noise", 0, check=lambda l, v: None if 0 <= v < 2 ** 64 else
            f"{l} must be in [0, 2**64), got {_short(v)}", general=True),
+    Option("sampler", str, "at temperature > 0: batch (one generator for the batch, LLaDA's draw: a sample depends "
+           "on its batch-mates) or row (one generator per sequence, seeded seed + its index in the batch, a server "
+           "request's seed its own: a sample is the same whatever shares its batch; a sequence alone draws what batch "
+           "draws)", "batch", "sampler", choices=("batch", "row"), general=True),
     Option("top_k", int, "sample only among the k most likely tokens (0: off; at temperature 0 the argmax is "
            "always among them: no effect)", 0, "top-k", check=_at_least(0), general=True),
     Option("top_p", float, "nucleus sampling: sample only among the most likely tokens whose probabilities at the "

@@ -10,9 +10,13 @@ call and never touches a generator or a logit itself.
 At temperature 0 nothing is drawn and no generator exists: the token is the argmax. At temperature
 T > 0 the token is the Gumbel-max sample argmax(logits / T + g), g = -log(-log u) from a float64
 uniform draw u of the logits' shape (LLaDA's rule); the confidence stays the untempered
-probability of the sampled token. One generator serves the whole batch, so a sampled result
-depends on the batch's composition and on the order of the calls (docs/loop.md says what a
-cheaper, per-position stream would change).
+probability of the sampled token. With `--sampler batch` (the default, LLaDA's own draw) one
+generator serves the whole batch, so a sampled result depends on the batch's composition and on
+the order of the calls (docs/loop.md says what a cheaper, per-position stream would change). With
+`--sampler row` every sequence has its own generator (`generators`: seeded with its own seed, the
+batch's rows `seed + i`, a server's request its request's seed), carried with the sequence as rows
+join and leave, and each canvas of a call draws from its sequence's: a sampled result is then the
+same whatever else is in its batch, and a sequence alone draws exactly what `--sampler batch` draws.
 """
 from __future__ import annotations
 
@@ -35,17 +39,26 @@ class Sampler:
         self.temperature, self.top_k, self.top_p = dc.temperature, dc.top_k, dc.top_p
         self.ignore_eos = bool(dc.ignore_eos)
         self.min_tokens = 0 if self.ignore_eos else min(dc.min_tokens, mc.max_length)
+        self.per_row = self.temperature > 0 and dc.sampler == "row"
+        self.device = device
         self.gen = torch.Generator(device=device).manual_seed(dc.seed) if self.temperature > 0 else None
 
-    def predict(self, logits: torch.Tensor, gen_start: torch.Tensor | None = None, lo: int = 0):
+    def generators(self, seeds) -> list | None:
+        """One generator per sequence, seeded with its seed (`--sampler row` at temperature > 0), else None."""
+        if not self.per_row:
+            return None
+        return [torch.Generator(device=self.device).manual_seed(int(s) % 2 ** 64) for s in seeds]
+
+    def predict(self, logits: torch.Tensor, gen_start: torch.Tensor | None = None, lo: int = 0, gens=None):
         """Top-1 token and confidence [R, W] from the logits [R, W, V] of the window starting at
         column `lo`, for rows that start generating at `gen_start` [R] (needed with --min-tokens),
         and with --top-logprobs k the k most likely (id, probability) [R, W, k, 2] (else None).
-        Draws noise from the generator only at temperature > 0."""
+        Draws noise only at temperature > 0: from the generator, or with `--sampler row` from `gens`,
+        the generator of each row's sequence (R of them, in row order)."""
         if self.conf_dtype == "float64":
             logits = logits.double()
         logits = self._bar_stops(logits, None if gen_start is None else self.no_stop(gen_start, lo, logits.shape[1]))
-        noise = self.noise(logits) if self.temperature > 0 else None
+        noise = self.noise(logits, gens) if self.temperature > 0 else None
         pred, conf = psd_kernels.top1(logits, self.mask_id, score=self.score, temperature=self.temperature,
                                       noise=noise)
         return pred, conf, self.top(logits) if self.top_logprobs else None
@@ -69,12 +82,20 @@ class Sampler:
         stop = logits.index_select(-1, self.stop_ids).masked_fill(no_stop[..., None], NEG_INF)
         return logits.index_copy(-1, self.stop_ids, stop)
 
-    def noise(self, logits: torch.Tensor) -> torch.Tensor:
-        """Standard Gumbel noise of the logits' shape, float64, from the generator (LLaDA's draw);
-        -inf outside the tokens --top-k / --top-p keep, so the Gumbel-max sample is drawn among
-        them. Transformed in place: one float64 [R, W, V] buffer, not one per operation (the same
-        values as -log(-log(u)))."""
-        u = torch.rand(logits.shape, generator=self.gen, device=logits.device, dtype=torch.float64)
+    def noise(self, logits: torch.Tensor, gens=None) -> torch.Tensor:
+        """Standard Gumbel noise of the logits' shape, float64, from the generator (LLaDA's draw) or
+        row r's from `gens[r]` (`--sampler row`: the [W, V] draws of a sequence's rows, in order, are
+        what one [R, W, V] draw of its generator gives); -inf outside the tokens --top-k / --top-p
+        keep, so the Gumbel-max sample is drawn among them. Transformed in place: one float64
+        [R, W, V] buffer, not one per operation (the same values as -log(-log(u)))."""
+        if self.per_row:
+            if gens is None or len(gens) != logits.shape[0]:
+                raise ValueError(f"--sampler row draws per row: {logits.shape[0]} rows need as many generators")
+            u = torch.empty(logits.shape, device=logits.device, dtype=torch.float64)
+            for r, g in enumerate(gens):
+                torch.rand(logits.shape[1:], generator=g, device=logits.device, dtype=torch.float64, out=u[r])
+        else:
+            u = torch.rand(logits.shape, generator=self.gen, device=logits.device, dtype=torch.float64)
         g = u.clamp_min_(1e-300).log_().neg_().log_().neg_()
         if self.top_k > 0 or self.top_p < 1:
             g.masked_fill_(~self.kept(logits), NEG_INF)

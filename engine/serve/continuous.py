@@ -82,7 +82,8 @@ class ContinuousScheduler(Scheduler):
             self._take(job, held)
             try:
                 live = self._live_for(model, job, lives, turn)
-                handle = live.batch.add(job.spec.prompt_ids, gen_length=job.spec.config.gen_length)
+                handle = live.batch.add(job.spec.prompt_ids, gen_length=job.spec.config.gen_length,
+                                        seed=job.spec.config.seed)
             except InputError as e:
                 job.push("error", ApiError(400, str(e)))
                 continue

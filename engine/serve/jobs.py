@@ -58,10 +58,12 @@ class Job:
 
 
 def config_key(dc: DecodeConfig) -> tuple:
-    """Jobs that may share a static batch: every option equal."""
+    """Jobs that may share a static batch: every option equal, but the seed with `--sampler row`
+    (each row draws from its own generator, seeded with its job's seed)."""
     def freeze(v):
         return tuple(tuple(sorted(s)) for s in v.nodes) if isinstance(v, DraftGraph) else v
-    return tuple(sorted((k, freeze(v)) for k, v in dc.as_dict().items()))
+    per_row = dc.sampler == "row"
+    return tuple(sorted((k, freeze(v)) for k, v in dc.as_dict().items() if not (per_row and k == "seed")))
 
 
 def shutting_down() -> ApiError:

@@ -128,6 +128,8 @@ def _specs(f: Fields, opts: dict, merged: dict, prompts: list, ignored: tuple, c
     sampled = merged.get("temperature", 0) > 0 or lim.mc.mask_token_id is None   # uniform noise always samples
     if sampled and seed is None:       # unseeded sampling: a fresh seed per request (reported)
         seed = lim.draw_seed()
+    if sampled and lim.mc.mask_token_id is not None and "sampler" not in merged:
+        merged["sampler"] = "row"      # each sample draws from its own seed's generator: any batch, same answer
     for i, (ids, text) in enumerate(prompts):
         config, cut = decode_config(opts, dict(merged), f.max_tokens, len(ids), lim.mc)
         check_prompts(lim.mc, config, [ids])

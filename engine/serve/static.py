@@ -66,7 +66,7 @@ class StaticScheduler(Scheduler):
     def _decode(self, decoder, batch: list[Job]) -> None:
         """One batch through `decoder.stream`: each model call's final pieces to their jobs, then
         the results; stops early when the server closes or every client went away."""
-        stream = decoder.stream([j.spec.prompt_ids for j in batch])
+        stream = decoder.stream([j.spec.prompt_ids for j in batch], seeds=[j.spec.config.seed for j in batch])
         try:
             for update in stream:
                 if self.closing:
