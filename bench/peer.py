@@ -616,30 +616,6 @@ def size_name(s: str) -> str:
 size_name.__name__ = "size (" + ", ".join(SIZES) + ")"
 
 
-def add_answers_parser(sub) -> None:
-    a = sub.add_parser("answers", help="time per answer on a task against the CLI's step settings (bench/peer_answers.py)")
-    a.add_argument("--peer", required=True, help="the directory `build --dir` wrote")
-    a.add_argument("--task", default="math", choices=("math", "code"), help="the held-out suite (default math)")
-    a.add_argument("--limit", type=thread_count, default=100, help="the first N problems (default 100)")
-    a.add_argument("--steps", type=thread_count, nargs="+", default=[64, 32, 16, 8],
-                   help="the CLI's --diffusion-steps settings (calls per answer; default 64 32 16 8)")
-    a.add_argument("--methods", nargs="+", default=["greedy", "confidence:threshold=0.9"],
-                   help="engine method specs as bench.eval takes them (default greedy confidence:threshold=0.9)")
-    a.add_argument("--gen", type=thread_count, default=64, help="gen length of both sides (default 64)")
-    a.add_argument("--block", type=thread_count, default=32, help="the engine's block length (default 32)")
-    a.add_argument("--cache", default="none", choices=("none", "prefix", "dual"), help="the engine's cache mode")
-    a.add_argument("--threads", type=thread_count, default=1, help="torch threads and the CLI's -t/-tb (default 1)")
-    a.add_argument("--gemm", choices=GEMMS, default="torch", help="the engine's matmul backend")
-    a.add_argument("--work", help="GGUF and shim directory (default PEER/work)")
-    a.add_argument("--out", help="write the per-problem records as JSON")
-
-
-def answers(args) -> int:
-    from .peer_answers import answers as run_answers
-
-    return run_answers(args)
-
-
 def main(argv=None) -> int:
     p = Parser(prog="python -m bench.peer", description="side by side with llama.cpp's llama-diffusion-cli")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
@@ -668,10 +644,9 @@ def main(argv=None) -> int:
 
         else:
             r.add_argument("--top", type=thread_count, default=12)
-    add_answers_parser(sub)
     args = p.parse_args(argv)
     body = {"build": lambda: build(Path(args.dir), args.version, args.jobs), "run": lambda: run(args),
-            "profile": lambda: profile(args), "answers": lambda: answers(args)}[args.cmd]
+            "profile": lambda: profile(args)}[args.cmd]
     return guarded(body, errors=(PeerError, ValueError, OSError))
 
 

@@ -1,8 +1,8 @@
-"""`python -m bench.peer answers`: time per answer of the engine's methods against llama.cpp's diffusion CLI
+"""`python -m bench.peer_answers`: time per answer of the engine's methods against llama.cpp's diffusion CLI
 settings on a task (issue 34 item 4), on the shipped model's weights, with the same prompt ids and the same
 checker, interleaved problem by problem (the peer's settings, then the engine's methods, for each problem).
 
-    python -m bench.peer answers --peer /tmp/peer --task math --limit 100 --threads 1 \\
+    python -m bench.peer_answers --peer /tmp/peer --task math --limit 100 --threads 1 \\
         --steps 64 32 16 8 --methods greedy confidence:threshold=0.9 psd:policy=confidence,d=3
 
 How the answers are made comparable:
@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import re
 import shutil
 import statistics
 import subprocess
 import time
 from pathlib import Path
+
+from engine.frontend import Parser, guarded, thread_count
+from models.transformer import GEMMS
 
 from . import peer as P
 
@@ -204,3 +208,27 @@ def report_table(rec: dict, n: int) -> str:
                      f"{statistics.median(r['ms']):.0f} | {statistics.fmean(r['cpu_ms']):.0f} | "
                      f"{statistics.fmean(r['calls']):.1f} |")
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a = Parser(prog="python -m bench.peer_answers", description=__doc__.split("\n")[0].strip("`"))
+    a.add_argument("--peer", required=True, help="the directory `python -m bench.peer build --dir` wrote")
+    a.add_argument("--task", default="math", choices=("math", "code"), help="the held-out suite (default math)")
+    a.add_argument("--limit", type=thread_count, default=100, help="the first N problems (default 100)")
+    a.add_argument("--steps", type=thread_count, nargs="+", default=[64, 32, 16, 8],
+                   help="the CLI's --diffusion-steps settings (calls per answer; default 64 32 16 8)")
+    a.add_argument("--methods", nargs="+", default=["greedy", "confidence:threshold=0.9"],
+                   help="engine method specs as bench.eval takes them (default greedy confidence:threshold=0.9)")
+    a.add_argument("--gen", type=thread_count, default=64, help="gen length of both sides (default 64)")
+    a.add_argument("--block", type=thread_count, default=32, help="the engine's block length (default 32)")
+    a.add_argument("--cache", default="none", choices=("none", "prefix", "dual"), help="the engine's cache mode")
+    a.add_argument("--threads", type=thread_count, default=1, help="torch threads and the CLI's -t/-tb (default 1)")
+    a.add_argument("--gemm", choices=GEMMS, default="torch", help="the engine's matmul backend")
+    a.add_argument("--work", help="GGUF and shim directory (default PEER/work)")
+    a.add_argument("--out", help="write the per-problem records as JSON")
+    args = a.parse_args(argv)
+    return guarded(lambda: answers(args), errors=(P.PeerError, ValueError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

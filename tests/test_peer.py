@@ -140,6 +140,8 @@ def test_answers_command_uses_the_timestep_schedule_and_no_bos(tmp_path):
 
 
 def test_answers_without_a_peer_build_is_one_error_line(capsys, tmp_path):
-    assert peer.main(["answers", "--peer", str(tmp_path), "--limit", "1"]) == 2
+    from bench import peer_answers as pa
+
+    assert pa.main(["--peer", str(tmp_path), "--limit", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no ") and "bench.peer build" in err[0]
