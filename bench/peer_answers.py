@@ -113,10 +113,21 @@ def peer_answer_ids(text: str, layout: dict) -> list[int]:
             for m in re.finditer(r"<t(\d+)>|ab|a|b", gen)]
 
 
-def peer_cmd(peer: Path, gguf: Path, text: str, n_prompt: int, gen: int, steps: int, threads: int) -> list[str]:
-    cmd = P.peer_command(peer, gguf, text, n_prompt + gen, steps, threads)
-    i = cmd.index("--diffusion-block-length")
-    cmd[i:i + 2] = ["--diffusion-eps", "0.001"]
+def peer_cmd(peer: Path, gguf: Path, text: str, n_prompt: int, gen: int, steps: int, threads: int,
+             block: int = 0) -> list[str]:
+    """The CLI's command for one answer: `block` 0, the timestep schedule over prompt + gen with
+    `steps` steps; else its block schedule, `steps` per block: the canvas rounded up to a multiple
+    of `block` (its requirement; the positions past gen length are decoded too, and the answer is
+    cut at its first EOS as always) and `steps` x canvas / block steps in all (it counts blocks
+    from the canvas start, so the blocks past the canvas end take one call each and stop)."""
+    if not block:
+        cmd = P.peer_command(peer, gguf, text, n_prompt + gen, steps, threads)
+        i = cmd.index("--diffusion-block-length")
+        cmd[i:i + 2] = ["--diffusion-eps", "0.001"]
+    else:
+        n_ctx = -(-(n_prompt + gen) // block) * block
+        cmd = P.peer_command(peer, gguf, text, n_ctx, steps * n_ctx // block, threads)
+        cmd[cmd.index("--diffusion-block-length") + 1] = str(block)
     return cmd + ["--override-kv", "tokenizer.ggml.add_bos_token=bool:false"]
 
 
@@ -129,7 +140,8 @@ def run_peer_answer(cmd: list[str], so: Path, layout: dict) -> dict:
         raise P.PeerError(f"llama-diffusion-cli exited {p.returncode} without its timing line:\n"
                           + "\n".join(out.splitlines()[-8:]))
     r = P.parse_cli_output(out)
-    return {"ms": r["total_ms"], "cpu_ms": cpu * 1e3, "ids": peer_answer_ids(r["text"], layout)}
+    return {"ms": r["total_ms"], "cpu_ms": cpu * 1e3, "ids": peer_answer_ids(r["text"], layout),
+            "calls": round(r["total_ms"] / r["step_ms"]) if r["step_ms"] else 0}
 
 
 def engine_answer(decoder, ids: list[int]) -> dict:
@@ -172,7 +184,8 @@ def answers(args) -> int:
         name, opts = parse_method(spec)
         decoders[spec] = Decoder(model, DecodeConfig(name, **{"gen_length": args.gen, "block_length": args.block,
                                                               "cache": args.cache, **opts}))
-    sides = [(f"llama.cpp steps={s}", s) for s in args.steps] + [(f"engine {k}", k) for k in decoders]
+    per = f" per {args.peer_block}-block" if args.peer_block else ""
+    sides = [(f"llama.cpp steps={s}{per}", s) for s in args.steps] + [(f"engine {k}", k) for k in decoders]
     rec = {name: {"ok": [], "ms": [], "cpu_ms": [], "calls": []} for name, _ in sides}
     first = [(tok.encode(task.format_prompt(pr)), None) for pr in problems[:5]]
     load = peer_load_cpu(peer, gguf, so, layout, [(peer_text(i, layout), len(i)) for i, _ in first], args)
@@ -181,8 +194,9 @@ def answers(args) -> int:
         text = peer_text(ids, layout)
         for name, s in sides:
             if name.startswith("llama.cpp"):
-                r = run_peer_answer(peer_cmd(peer, gguf, text, len(ids), args.gen, s, args.threads), so, layout)
-                r["calls"], r["cpu_ms"] = s, r["cpu_ms"] - load
+                r = run_peer_answer(peer_cmd(peer, gguf, text, len(ids), args.gen, s, args.threads, args.peer_block),
+                                    so, layout)
+                r["cpu_ms"] = r["cpu_ms"] - load
             else:
                 r = engine_answer(decoders[s], ids)
             completion = truncate_at(tok.decode(r["ids"]), getattr(task, "STOP_SEQUENCES", ()))
@@ -216,7 +230,11 @@ def main(argv=None) -> int:
     a.add_argument("--task", default="math", choices=("math", "code"), help="the held-out suite (default math)")
     a.add_argument("--limit", type=thread_count, default=100, help="the first N problems (default 100)")
     a.add_argument("--steps", type=thread_count, nargs="+", default=[64, 32, 16, 8],
-                   help="the CLI's --diffusion-steps settings (calls per answer; default 64 32 16 8)")
+                   help="the CLI's --diffusion-steps settings (calls per answer; default 64 32 16 8); with "
+                        "--peer-block, steps per block")
+    a.add_argument("--peer-block", type=int, default=0,
+                   help="the CLI's block schedule with this block length (0, the default: its timestep schedule "
+                        "over the whole canvas)")
     a.add_argument("--methods", nargs="+", default=["greedy", "confidence:threshold=0.9"],
                    help="engine method specs as bench.eval takes them (default greedy confidence:threshold=0.9)")
     a.add_argument("--gen", type=thread_count, default=64, help="gen length of both sides (default 64)")

@@ -145,3 +145,11 @@ def test_answers_without_a_peer_build_is_one_error_line(capsys, tmp_path):
     assert pa.main(["--peer", str(tmp_path), "--limit", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no ") and "bench.peer build" in err[0]
+
+
+def test_answers_block_schedule_rounds_the_canvas_up_and_counts_steps_per_block(tmp_path):
+    from bench import peer_answers as pa
+
+    cmd = pa.peer_cmd(tmp_path, tmp_path / "m.gguf", "<t7>", 36, 64, 16, 1, block=32)
+    assert cmd[cmd.index("-c") + 1] == "128" and cmd[cmd.index("--diffusion-block-length") + 1] == "32"
+    assert cmd[cmd.index("--diffusion-steps") + 1] == "64" and "--diffusion-eps" not in cmd   # 16 x 128 / 32
