@@ -148,7 +148,8 @@ def test_a_flag_engine_generate_refuses_fails_before_ready(tmp_path, capsys):
                          (["--method", "psd", "--draft-budget", "auto", "--cost-profile", str(tmp_path / "none")],
                           "cannot read cost profile"),
                          (["--max-choices", "0"], "--max-choices must be >= 1"),
-                         (["--read-timeout", "0"], "--read-timeout must be in")]:
+                         (["--read-timeout", "0"], "--read-timeout must be in"),
+                         (["--gemm", "onednn", "--dtype", "float64"], "--gemm onednn takes float32 or bfloat16")]:
         rc, _, err = run_main(main, ["--port", str(free_port()), "--device", "cpu", *flags], capsys)
         assert rc == 2 and err.strip().startswith("error:") and words in err, (flags, err)
         assert len(err.strip().splitlines()) == 1, err
