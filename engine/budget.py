@@ -121,13 +121,17 @@ class DraftBudget:
         Σ P(k) (expected accepted nodes)."""
         g = self.full
         size = [len(s) for s in g.nodes]
-        reach = [1.0] + q[1:]              # P(k): the root, a parent of every node, is always accepted
+        # P(k): the root, a parent of every node, is always accepted. A node is never counted as
+        # likelier than a parent of it other than the root (a prior's 0.8 is not kept above a
+        # parent's measured rate: drafts that extend a rejected one are rejected too)
+        reach = [1.0] + [None] * (len(g) - 1)
         chosen, gain, levels, out = [0], 0.0, 0.0, [([0], 0.0, 0.0)]
         while len(chosen) < len(g):
             best, best_v = None, -1.0
             for k in range(len(g)):
                 if k in chosen or not all(p in chosen for p in g.parents[k]):
                     continue
+                reach[k] = min([q[k]] + [reach[p] for p in g.parents[k] if p != 0])
                 v = reach[k] * (size[k] - max(size[p] for p in g.parents[k]))
                 if v > best_v:
                     best, best_v = k, v
@@ -143,8 +147,9 @@ class DraftBudget:
         many nodes committed, blended with the estimate f · (c + G(S)) worth PRIOR_WEIGHT calls,
         f = measured / estimated tokens over the sizes tried (the estimate's shared error). A
         larger set never tried whose optimistic value (every accepted node worth a whole policy
-        step, c · (1 + Σ P(k))) beats the best is tried first: accepting a draft also lets the
-        next step start from a more decided state, which the additive estimate does not see."""
+        step, c · (1 + Σ P(k))) beats the best (of the sets tried) is tried first, the cheapest
+        such set: accepting a draft also lets the next step start from a more decided state,
+        which the additive estimate does not see."""
         tokens = tokens or [0.0] * (len(self.full) + 1)
         calls = calls or [0.0] * (len(self.full) + 1)
         cands = self.candidates(q)
@@ -160,18 +165,23 @@ class DraftBudget:
         best, best_rate = [0], -1.0
         for nodes, gain, _ in cands:
             m = len(nodes)
+            if m > 1 and calls[m] == 0:          # never tried: only as a try (below)
+                continue
             tpc = (tokens[m] + PRIOR_WEIGHT * f * (c + gain)) / (calls[m] + PRIOR_WEIGHT)
             rate_m = rate(m, tpc)
             dearer = self.cost.ms(rows * m) > 1.01 * self.cost.ms(rows * len(best))   # free rows: no margin
             if rate_m > best_rate * (MARGIN if dearer else 1 + 1e-9):
                 best, best_rate = nodes, rate_m
-        explore, explore_rate = None, best_rate
-        for nodes, _, levels in cands:          # larger sets never tried that could pay: try one
-            m = len(nodes)
-            optimistic = rate(m, c * (1 + levels))
-            if m > len(best) and calls[m] == 0 and optimistic > explore_rate * MARGIN:
-                explore, explore_rate = nodes, optimistic
-        return sorted(explore or best)
+        # larger sets never tried that could pay: try the cheapest (a block of the whole graph is
+        # what a short run cannot pay back at a large model; a small set's measured rates bound the
+        # larger ones'), among sets of that call cost the most promising
+        could = [(self.cost.ms(rows * len(n)), rate(len(n), c * (1 + lv)), n) for n, _, lv in cands
+                 if len(n) > len(best) and calls[len(n)] == 0]
+        could = [x for x in could if x[1] > best_rate * MARGIN]
+        if could:
+            cheapest = min(x[0] for x in could)
+            return sorted(max((x for x in could if x[0] <= 1.01 * cheapest), key=lambda x: x[1])[2])
+        return sorted(best)
 
     def plan(self, run, call) -> Plan:
         """The nodes block `run` verifies; `call(rows)` runs one verification-shaped call of the

@@ -68,6 +68,18 @@ def test_measured_tokens_per_call_override_the_estimate():
     assert b.choose(1, q, c=4.0, tokens=[0, 400, 500], calls=[0, 100, 100]) == [0]       # 5 < 1.6 · 4
 
 
+def test_the_cheapest_untried_set_is_tried_first():
+    """Of the untried sets that could pay, the cheapest call is tried (not the whole graph); a node
+    is never counted as likelier than a non-root parent of it."""
+    b = _budget(DraftGraph.chain(3), HALF)
+    assert b.choose(1, [1.0, 0.8, 0.8, 0.8], c=2.0, tokens=[0, 200, 0, 0, 0], calls=[0, 100, 0, 0, 0]) == [0, 1]
+    assert b.candidates([1.0, 0.1, 0.8, 0.8])[-1][2] == pytest.approx(0.3)
+    # node 1 tried and rarely accepted: the larger sets are not worth a try either
+    assert b.choose(1, [1.0, 0.1, 0.8, 0.8], c=2.0, tokens=[0, 200, 210, 0, 0], calls=[0, 100, 100, 0, 0]) == [0]
+    # rows that cost nothing: the whole graph at once
+    assert _budget(DraftGraph.chain(3), FREE).choose(8, [1.0, 0.8, 0.8, 0.8], c=2.0) == [0, 1, 2, 3]
+
+
 def test_cost_model_interpolates_and_extrapolates():
     cm = CostModel([1, 4], [2.0, 5.0])
     assert cm.ms(1) == 2.0 and cm.ms(2) == pytest.approx(3.0) and cm.ms(8) == pytest.approx(10.0)
