@@ -19,7 +19,7 @@ import time
 import torch
 
 from engine import DecodeConfig, Decoder
-from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, guarded, thread_count
+from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, checked_gemm, guarded, thread_count
 from models import CheckpointError, Tokenizer, load_model
 
 from .eval import parse_method
@@ -65,8 +65,8 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     task, tok = get_task(args.task), Tokenizer(args.model)
     problems = task.load(None, limit=args.limit)
+    checked_gemm("onednn", "cpu", args.dtype)             # before the weights are read
     model = load_model(args.model, args.dtype, "cpu")
-    model.set_gemm("onednn").set_gemm("torch")           # checked before any decoding
     rows = [compare(model, tok, task, problems, spec, args) for spec in args.methods]
     print(f"| method | token agreement | identical answers | accuracy torch / onednn | CPU s torch / onednn "
           f"| onednn ÷ torch CPU (median batch) |\n|---|---|---|---|---|---|")

@@ -187,8 +187,8 @@ def answers(args) -> int:
     per = f" per {args.peer_block}-block" if args.peer_block else ""
     sides = [(f"llama.cpp steps={s}{per}", s) for s in args.steps] + [(f"engine {k}", k) for k in decoders]
     rec = {name: {"ok": [], "ms": [], "cpu_ms": [], "calls": []} for name, _ in sides}
-    first = [(tok.encode(task.format_prompt(pr)), None) for pr in problems[:5]]
-    load = peer_load_cpu(peer, gguf, so, layout, [(peer_text(i, layout), len(i)) for i, _ in first], args)
+    first = [tok.encode(task.format_prompt(pr)) for pr in problems[:5]]
+    load = peer_load_cpu(peer, gguf, so, layout, [(peer_text(i, layout), len(i)) for i in first], args)
     for n, pr in enumerate(problems):
         ids = tok.encode(task.format_prompt(pr))
         text = peer_text(ids, layout)

@@ -38,8 +38,8 @@ def first_output(decoder, batch, seqs, x, valid, pos, win, gens=None):
     cache = None
     if fresh.numel():
         logits, cache = decoder.cache_mode.start(x[fresh], valid[fresh], pos[fresh], win)
-        rows_gens = None if gens is None else [gens[i] for i in fresh.tolist()]
-        pred_f, conf_f, _ = decoder.sampler.predict(logits, batch.gen_start[seqs[fresh]], win.lo, rows_gens)
+        pred_f, conf_f, _ = decoder.sampler.predict(logits, batch.gen_start[seqs[fresh]], win.lo,
+                                                    decoder.sampler.rows_of(gens, fresh))
         conf = conf.to(conf_f.dtype)
         pred[fresh], conf[fresh] = pred_f[:, :W], conf_f[:, :W]
         if win.ahead:

@@ -101,11 +101,9 @@ def checked_gemm(kind: str, device, dtype: str, tensor_parallel: bool = False) -
     """`kind` if a model on `device` with `dtype` weights can run it (checked before loading), else
     InputError naming the problem."""
     try:
-        check_gemm(kind, device, DTYPES[dtype])
+        check_gemm(kind, device, DTYPES[dtype], tensor_parallel)
     except ValueError as e:
         raise InputError(str(e)) from None
-    if kind != "torch" and tensor_parallel:
-        raise InputError(f"--gemm {kind} is not for tensor parallelism (its ranks would round differently)")
     return kind
 
 

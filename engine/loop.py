@@ -116,7 +116,7 @@ class Decoder:
         if seqs.numel() == 0:
             return None
         x, valid, pos = batch.x[seqs], batch.valid[seqs], batch.pos[seqs]
-        gens = None if batch.gens is None else [batch.gens[i] for i in seqs.tolist()]     # --sampler row
+        gens = Sampler.rows_of(batch.gens, seqs)                                            # --sampler row
         pred, conf, top, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win, gens)
         S, dev = seqs.numel(), x.device
         span = slice(lo, lo + win.width + win.ahead)            # --cross-block: drafts reach the next block
@@ -255,7 +255,7 @@ class Decoder:
         win, dev, W = run.win, drafts.device, run.win.width
         pair, seq_rows, canvases = self._canvases(run, act, drafts, valid)
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
-        gens = None if run.gens is None else [run.gens[i] for i in seq_rows.tolist()]     # --sampler row
+        gens = Sampler.rows_of(run.gens, seq_rows)                                          # --sampler row
         pred, conf, top = self.sampler.predict(logits, run.gen_start[seq_rows], win.lo, gens)
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)

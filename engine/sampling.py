@@ -41,13 +41,23 @@ class Sampler:
         self.min_tokens = 0 if self.ignore_eos else min(dc.min_tokens, mc.max_length)
         self.per_row = self.temperature > 0 and dc.sampler == "row"
         self.device = device
-        self.gen = torch.Generator(device=device).manual_seed(dc.seed) if self.temperature > 0 else None
+        # the batch's one generator (--sampler batch); --sampler row draws from the rows' own (`generators`)
+        self.gen = torch.Generator(device=device).manual_seed(dc.seed) if self.temperature > 0 and not self.per_row \
+            else None
 
     def generators(self, seeds) -> list | None:
         """One generator per sequence, seeded with its seed (`--sampler row` at temperature > 0), else None."""
         if not self.per_row:
             return None
         return [torch.Generator(device=self.device).manual_seed(int(s) % 2 ** 64) for s in seeds]
+
+    @staticmethod
+    def rows_of(gens: list | None, rows) -> list | None:
+        """The generators of rows `rows` (indices, a tensor or a list) of `gens`; None stays None
+        (`--sampler batch`, or temperature 0). One host read of `rows`."""
+        if gens is None:
+            return None
+        return [gens[i] for i in torch.as_tensor(rows).reshape(-1).tolist()]
 
     def predict(self, logits: torch.Tensor, gen_start: torch.Tensor | None = None, lo: int = 0, gens=None):
         """Top-1 token and confidence [R, W] from the logits [R, W, V] of the window starting at

@@ -12,6 +12,7 @@ from models import position_ids
 from .cache import Window
 from .kvstore import join_caches
 from .policies import PolicyState
+from .sampling import Sampler
 
 
 def pad_columns(t: torch.Tensor, left: int, right: int, fill, dim: int = 1) -> torch.Tensor:
@@ -147,7 +148,7 @@ class Batch:
             kw[name] = None if v is None else v[rows]
         kw["policy_state"] = None if self.policy_state is None else self.policy_state.take(rows)
         kw["commits"] = self.commits.take(rows)
-        kw["gens"] = None if self.gens is None else [self.gens[i] for i in torch.as_tensor(rows).reshape(-1).tolist()]
+        kw["gens"] = Sampler.rows_of(self.gens, rows)
         return Batch(**kw)
 
     def shift(self, left: int, right: int, position_ids) -> "Batch":

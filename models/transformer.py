@@ -34,12 +34,15 @@ from .parallel import TensorParallel, check_divisible, row_parallel
 GEMMS = ("torch", "onednn")
 
 
-def check_gemm(kind: str, device, dtype: torch.dtype) -> None:
-    """ValueError (one line) unless a model on `device` with `dtype` weights can run `kind`."""
+def check_gemm(kind: str, device, dtype: torch.dtype, tensor_parallel: bool = False) -> None:
+    """ValueError (one line) unless a model on `device` with `dtype` weights (split over ranks when
+    `tensor_parallel`) can run `kind`."""
     if kind not in GEMMS:
         raise ValueError(f"unknown gemm {kind!r}; expected one of {', '.join(GEMMS)}")
     if kind != "onednn":
         return
+    if tensor_parallel:
+        raise ValueError(f"--gemm {kind} is not for tensor parallelism (its ranks would round differently)")
     if torch.device(device).type != "cpu":
         raise ValueError(f"--gemm onednn runs on a CPU, not on {torch.device(device).type}")
     if dtype not in (torch.float32, torch.bfloat16):
@@ -433,9 +436,7 @@ class Transformer(nn.Module):
         """Run every dense projection (q/k/v/o, the MLPs, the LM head; not the MoE experts or routers)
         with `kind` (GEMMS); returns the model. "onednn" needs a CPU model of float32 or bfloat16
         weights and a torch built with oneDNN; each problem is one ValueError line."""
-        check_gemm(kind, self.device, self.dtype)
-        if kind != "torch" and self.tp is not None:
-            raise ValueError(f"--gemm {kind} is not for a tensor-parallel model (its ranks would round differently)")
+        check_gemm(kind, self.device, self.dtype, self.tp is not None)
         routers = {id(m.router) for m in self.modules() if isinstance(m, (MoE, SoftmaxMoE))}   # stay as they are
         for m in self.modules():
             if isinstance(m, nn.Linear) and id(m) not in routers:
