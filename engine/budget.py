@@ -23,6 +23,14 @@ tokens per step (measured) and G(S) = Σ_{k∈S} P(k) · (|S_k| − max_{p∈S p
 chains; an upper bound where siblings compete). Sets are grown greedily by P(k)·Δ, one per size,
 and the best size wins, ties to the smaller. Everything it reads back is one small tensor per
 block; the per-step bookkeeping stays on the device.
+
+A measured curve is a prior, not the truth: measured under load it can make two nodes look as
+cheap as one. So where the cost is measured, every node count run is costed by its own blocks'
+wall time (a count not run yet by its run neighbours', interpolated), and the policy alone, the
+size every dearer set is compared with, is timed by its own blocks: before a dearer set is kept
+a second block, and again after 2, 4, ... `RECHECK_MAX` blocks of dearer sets (a bounded share
+of the blocks, and deterministic in block counts, never in times). Which nodes are verified is
+all the budget decides: the tokens of exact acceptance are the policy's whatever it picks.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from .graph import DraftGraph, Plan, make_plan
 
 PRIOR_Q, PRIOR_WEIGHT = 0.8, 4.0
 MARGIN = 1.05           # a dearer set must promise 5% more tokens per ms: the policy alone is the safe side
+RECHECK_MAX = 32        # at most this many blocks of dearer sets between two timings of the policy alone
 _MEASURED: dict[tuple, CostModel] = {}         # measured curves, shared by decoders of one shape
 
 
@@ -77,6 +86,7 @@ class DraftBudget:
         self.model_ms = [0.0] * (K + 1)                       # ... and what the cost model predicted
         self._open, self._pending = None, []
         self.row_blocks, self.block_length = 0, 32          # rows × blocks observed; the block length
+        self.since_policy, self.recheck = 0, 1              # dearer blocks since the policy alone; the gap due
 
     # ------------------------------------------------------------------ on the device, per step
     def observe_commit(self, commit: torch.Tensor, pending: torch.Tensor) -> None:
@@ -98,16 +108,21 @@ class DraftBudget:
         self.size_calls[m] += calls
         if self._open is not None:
             rows, t0 = self._open
-            if self.timed:
-                self._pending.append((m, rows, (time.perf_counter() - t0) * 1e3, calls / max(rows, 1)))
-            self.row_blocks += rows
+            self.record(m, rows, (time.perf_counter() - t0) * 1e3, calls)
             self._open = None
+
+    def record(self, m: int, rows: int, ms: float, calls) -> None:
+        """A block of `rows` rows verified `m` nodes per call in `calls` verification calls (all rows,
+        a number or a device scalar, read at the next plan) and took `ms` after its plan."""
+        if self.timed:
+            self._pending.append((m, rows, ms, calls / max(rows, 1)))
+        self.row_blocks += rows
 
     # ------------------------------------------------------------------ once per block
     def rates(self) -> tuple[list[float], float, list[float], list[float]]:
         """(q per node, the policy's tokens per step, tokens and calls observed per plan size)."""
         K = len(self.full)
-        pending = [p[3].float().reshape(1) for p in self._pending]
+        pending = [torch.as_tensor(p[3], dtype=torch.float32, device=self.device).reshape(1) for p in self._pending]
         stats = torch.cat([self.tried, self.accepted, self.tokens1[None], self.steps1[None], self.size_tokens,
                            self.size_calls, *pending]).tolist()
         tried, acc = stats[:K], stats[K:2 * K]
@@ -149,7 +164,8 @@ class DraftBudget:
         larger set never tried whose optimistic value (every accepted node worth a whole policy
         step, c · (1 + Σ P(k))) beats the best (of the sets tried) is tried first, the cheapest
         such set: accepting a draft also lets the next step start from a more decided state,
-        which the additive estimate does not see."""
+        which the additive estimate does not see. With a measured cost, a dearer set gives way to
+        the policy alone when that is due to be timed again (`check_due`)."""
         tokens = tokens or [0.0] * (len(self.full) + 1)
         calls = calls or [0.0] * (len(self.full) + 1)
         cands = self.candidates(q)
@@ -157,10 +173,10 @@ class DraftBudget:
         est = sum(calls[len(n)] * (c + g) for n, g, _ in cands)
         f = min(4.0, max(0.25, sum(tokens[len(n)] for n, _, _ in cands) / est)) if est > 0 else 1.0
         per_block = sum(tokens) / self.row_blocks if self.row_blocks else float(self.block_length)
-        start = self.correction(1) * self.cost.ms(rows) / max(per_block, 1e-9)      # ms per token, every set
+        start = self.call_ms(rows, 1) / max(per_block, 1e-9)      # ms per token, every set
 
         def rate(m, tpc):
-            return 1.0 / (start + self.correction(m) * self.cost.ms(rows * m) / max(tpc, 1e-9))
+            return 1.0 / (start + self.call_ms(rows, m) / max(tpc, 1e-9))
 
         best, best_rate = [0], -1.0
         for nodes, gain, _ in cands:
@@ -169,19 +185,31 @@ class DraftBudget:
                 continue
             tpc = (tokens[m] + PRIOR_WEIGHT * f * (c + gain)) / (calls[m] + PRIOR_WEIGHT)
             rate_m = rate(m, tpc)
-            dearer = self.cost.ms(rows * m) > 1.01 * self.cost.ms(rows * len(best))   # free rows: no margin
+            dearer = self.call_ms(rows, m) > 1.01 * self.call_ms(rows, len(best))   # free rows: no margin
             if rate_m > best_rate * (MARGIN if dearer else 1 + 1e-9):
                 best, best_rate = nodes, rate_m
         # larger sets never tried that could pay: try the cheapest (a block of the whole graph is
         # what a short run cannot pay back at a large model; a small set's measured rates bound the
         # larger ones'), among sets of that call cost the most promising
-        could = [(self.cost.ms(rows * len(n)), rate(len(n), c * (1 + lv)), n) for n, _, lv in cands
+        could = [(self.call_ms(rows, len(n)), rate(len(n), c * (1 + lv)), n) for n, _, lv in cands
                  if len(n) > len(best) and calls[len(n)] == 0]
         could = [x for x in could if x[1] > best_rate * MARGIN]
         if could:
             cheapest = min(x[0] for x in could)
-            return sorted(max((x for x in could if x[0] <= 1.01 * cheapest), key=lambda x: x[1])[2])
-        return sorted(best)
+            best = max((x for x in could if x[0] <= 1.01 * cheapest), key=lambda x: x[1])[2]
+        return [0] if len(best) > 1 and self.check_due() else sorted(best)
+
+    def check_due(self) -> bool:
+        """Is the policy alone to be timed again before a dearer set runs? Only with a measured cost
+        (given costs and profiles are used as they are): after the first block of dearer sets, then
+        after 2, 4, ... RECHECK_MAX of them. Its own blocks' time is what every dearer set's is
+        compared with; borrowed from a dearer set's blocks, the curve's ratio between the two (which
+        load can make wrong) would never be measured."""
+        return self.timed and self.since_policy >= self.recheck
+
+    def call_ms(self, rows: int, m: int) -> float:
+        """ms of one verification call of `m` nodes for `rows` rows: the cost model times `correction`."""
+        return self.correction(m) * self.cost.ms(rows * m)
 
     def plan(self, run, call) -> Plan:
         """The nodes block `run` verifies; `call(rows)` runs one verification-shaped call of the
@@ -192,14 +220,20 @@ class DraftBudget:
             self.cost = CostModel.from_profile(self.profile, self.cache, run.win.block_length, run.win.lo,
                                                self.curves)
         self.block_length = run.win.block_length
-        q, c, tokens, calls = self.rates()
-        nodes = agree(self.choose(run.seqs.numel(), q, c, tokens, calls))   # tensor-parallel ranks: rank 0's times decide
-        self.chosen.append(len(nodes))
+        nodes = self.next_nodes(run.seqs.numel())
         key = tuple(nodes)
         if key not in self.plans:
             self.plans[key] = make_plan(self.full, nodes, self.selection, self.device)
         self._open = (run.seqs.numel(), time.perf_counter())
         return self.plans[key]
+
+    def next_nodes(self, rows: int) -> list[int]:
+        """The nodes the next block of `rows` rows verifies, from everything observed so far."""
+        q, c, tokens, calls = self.rates()
+        nodes = agree(self.choose(rows, q, c, tokens, calls))   # tensor-parallel ranks: rank 0's times decide
+        self.chosen.append(len(nodes))
+        self.count(len(nodes))
+        return nodes
 
     def _fold_times(self, calls_per_row: list[float]) -> None:
         """Blocks timed since the last plan: measured ms against V · cost(A · m) (V verification
@@ -211,13 +245,31 @@ class DraftBudget:
                 self.model_ms[m] += v * self.cost.ms(rows * m)
         self._pending = []
 
+    def count(self, m: int) -> None:
+        """Count a planned block of `m` nodes for `check_due`: a block of the policy alone that was
+        due doubles the next gap (up to RECHECK_MAX); any block of it restarts the count."""
+        if m > 1:
+            self.since_policy += 1
+            return
+        if self.since_policy >= self.recheck:
+            self.recheck = min(2 * self.recheck, RECHECK_MAX)
+        self.since_policy = 0
+
     def correction(self, m: int) -> float:
-        """Measured / modelled call time for size m (the nearest size measured; 1 before any)."""
+        """Measured / modelled call time for size m: its own blocks' where it ran; else, between
+        two sizes that ran, interpolated between theirs, else the nearest's (1 before any)."""
         sizes = [s for s in range(1, len(self.model_ms)) if self.model_ms[s] > 0]
         if not sizes:
             return 1.0
-        s = min(sizes, key=lambda s: (abs(s - m), -s))
-        return min(4.0, max(0.25, self.actual_ms[s] / self.model_ms[s]))
+
+        def own(s):
+            return min(4.0, max(0.25, self.actual_ms[s] / self.model_ms[s]))
+
+        below, above = [s for s in sizes if s <= m], [s for s in sizes if s >= m]
+        if below and above:
+            a, b = max(below), min(above)
+            return own(a) if a == b else own(a) + (own(b) - own(a)) * (m - a) / (b - a)
+        return own(max(below) if below else min(above))
 
     def _measured(self, run, call) -> CostModel:
         """The measured curve of this shape, extended (measured again) when this batch needs more

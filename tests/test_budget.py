@@ -80,6 +80,63 @@ def test_the_cheapest_untried_set_is_tried_first():
     assert _budget(DraftGraph.chain(3), FREE).choose(8, [1.0, 0.8, 0.8, 0.8], c=2.0) == [0, 1, 2, 3]
 
 
+def _simulate(b, blocks, true_ms, tpc, c=2.0, calls=10):
+    """Drive a budget whose cost was "measured" (b.cost set by hand) through `blocks` blocks of
+    one row: a block of m nodes takes `calls` verification calls of true_ms[m] each and commits
+    tpc[m] tokens per call (node 1 accepted in tpc[2] - c of its calls). The node counts chosen."""
+    for _ in range(blocks):
+        m = len(b.next_nodes(1))
+        b.size_tokens[m] += calls * tpc[m]
+        b.size_calls[m] += calls
+        b.tokens1 += calls * c
+        b.steps1 += calls
+        if m > 1:
+            b.tried[1] += calls
+            b.accepted[1] += calls * (tpc[m] - c)
+        b.record(m, 1, calls * true_ms[m], float(calls))
+    return b.chosen
+
+
+def _timed(graph, cost):
+    b = DraftBudget(graph, lambda g: None, torch.device("cpu"))      # no cost given: measured, corrected
+    assert b.timed
+    b.cost = cost                                                     # as if measured (under load)
+    return b
+
+
+def test_a_curve_that_makes_drafts_look_free_is_overruled_by_the_block_times():
+    """The curve (measured under load) says 2 nodes cost what 1 does; the blocks take twice as long
+    with 2 and commit only 20% more per call. After one try, the policy alone is timed by its own
+    blocks and kept: without that it borrows the 2-node blocks' correction and stays on drafts."""
+    b = _timed(DraftGraph.chain(1), CostModel([1, 1000], [10.0, 10.0]))
+    chosen = _simulate(b, 12, true_ms={1: 10.0, 2: 20.0}, tpc={1: 2.0, 2: 2.4})
+    assert chosen[:3] == [2, 1, 1] and set(chosen[2:]) == {1}, chosen
+    assert b.call_ms(1, 2) == pytest.approx(2 * b.call_ms(1, 1))
+
+
+def test_drafts_that_pay_are_kept_and_the_policy_alone_is_retimed_rarely():
+    """Where drafts pay (2 nodes cost 1.2x and commit 1.75x per call), auto keeps them; the policy
+    alone is timed again after 1, 2, 4, ... up to RECHECK_MAX blocks of drafts: a bounded share."""
+    from engine.budget import RECHECK_MAX
+
+    b = _timed(DraftGraph.chain(1), CostModel([1, 1000], [10.0, 10.0]))
+    chosen = _simulate(b, 200, true_ms={1: 10.0, 2: 12.0}, tpc={1: 2.0, 2: 3.5})
+    alone = [i for i, m in enumerate(chosen) if m == 1]
+    assert alone[:5] == [1, 4, 9, 18, 35], alone          # after 1, 2, 4, 8, 16 blocks of drafts
+    assert len(alone) <= 6 + 200 // (RECHECK_MAX + 1), alone
+    # given costs are used as they are: no re-timing
+    fixed = DraftBudget(DraftGraph.chain(1), lambda g: None, torch.device("cpu"), CostModel([1, 1000], [10.0, 10.0]))
+    assert set(_simulate(fixed, 20, true_ms={1: 10.0, 2: 12.0}, tpc={1: 2.0, 2: 3.5})) == {2}
+
+
+def test_a_size_not_run_is_costed_between_the_sizes_that_ran():
+    b = _timed(DraftGraph.chain(3), CostModel([1, 1000], [10.0, 10.0]))
+    b.record(1, 1, 100.0, 10.0)                           # 1 node: 10 ms a call, as the curve says
+    b.record(3, 1, 300.0, 10.0)                           # 3 nodes: 30 ms, the curve says 10
+    b.rates()
+    assert [round(b.call_ms(1, m), 6) for m in (1, 2, 3, 4)] == [10.0, 20.0, 30.0, 30.0]
+
+
 def test_cost_model_interpolates_and_extrapolates():
     cm = CostModel([1, 4], [2.0, 5.0])
     assert cm.ms(1) == 2.0 and cm.ms(2) == pytest.approx(3.0) and cm.ms(8) == pytest.approx(10.0)
