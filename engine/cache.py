@@ -34,6 +34,8 @@ class Window:
     lo: int                 # canvas index of the block
     width: int              # positions a step may commit: the block, or ETE's several blocks
     ahead: int = 0          # positions after them a call also predicts (--cross-block: the next block)
+    span: int = 0           # at most this many columns from each row's first valid one hold all of its
+                            # valid ones (Batch.span; 0: unknown): a whole-canvas call runs packed
 
     @property
     def hi(self) -> int:
@@ -51,10 +53,32 @@ class NoCache:
         self.model, self.mc = model, model.config
 
     def _full(self, x, valid, pos, win: Window, return_kv: bool):
-        """The whole canvas; logits for the window (read at i - logit shift)."""
-        idx = torch.arange(x.shape[1], device=x.device)
+        """The whole canvas; logits for the window (read at i - logit shift). Packed when the rows'
+        valid columns span fewer than the canvas's (`Window.span`): each row's columns from its first
+        valid one, so padding that aligns rows of different lengths and progress costs no compute
+        (docs/loop.md, "Packed calls")."""
+        N = x.shape[1]
+        if 0 < win.span < N and getattr(self.model, "tp", None) is None:
+            return self._packed(x, valid, pos, win, return_kv)
+        idx = torch.arange(N, device=x.device)
         return self.model(x, pos, win.mask(self.mc, valid, idx, idx), out_start=win.lo - self.mc.logit_shift,
                           out_len=win.width + win.ahead, return_kv=return_kv)
+
+    def _packed(self, x, valid, pos, win: Window, return_kv: bool):
+        """`_full` over `win.span` columns per row, row b's starting at its first valid column
+        first[b]: the same tokens, positions and mask entries at every valid column (the queries past
+        a row's canvas are padding), keys and values returned on the canvas's columns again."""
+        N, W = x.shape[1], win.span
+        first = valid.to(torch.uint8).argmax(1)                                  # [R], on the device
+        cols = first[:, None] + torch.arange(W, device=x.device)                 # [R, W] canvas columns
+        at = cols.clamp(max=N - 1)
+        logits, kvs = self.model(x.gather(1, at), pos.gather(1, at), win.mask(self.mc, valid, cols, cols),
+                                 out_start=win.lo - self.mc.logit_shift - first, out_len=win.width + win.ahead,
+                                 return_kv=return_kv)
+        if kvs is not None:        # each canvas column's packed one (columns outside a row's span: invisible keys)
+            back = (torch.arange(N, device=x.device) - first[:, None]).clamp(0, W - 1)[:, None, :, None]
+            kvs = [tuple(t.gather(2, back.expand(-1, t.shape[1], -1, t.shape[3])) for t in kv) for kv in kvs]
+        return logits, kvs
 
     def start(self, x, valid, pos, win: Window):
         return self._full(x, valid, pos, win, False)[0], None

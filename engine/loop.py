@@ -108,7 +108,7 @@ class Decoder:
         lo = batch.cursor
         index = (lo - P) // L                    # the block index of the batch's first rows
         width = min(self.dc.window_blocks * L, N - lo)                     # the block, or ETE's blocks
-        win = Window(P, L, lo, width, L if self.dc.cross_block and lo + width < N else 0)
+        win = Window(P, L, lo, width, L if self.dc.cross_block and lo + width < N else 0, batch.span)
         todo = (batch.stop_at < 0) & (batch.x[:, lo:lo + L] == self.mc.mask_token_id).any(-1)
         if batch.retired is not None:
             todo &= ~batch.retired
@@ -386,7 +386,8 @@ class Decoder:
         # positions stay those the block's cached keys were computed at (RoPE is relative; the new
         # columns are padding): the next block's first call takes the batch's, and a fresh cache
         run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
-        run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left)
+        run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left,
+                                      span=batch.span)
         if run.cache is not None:     # every mode caches from column 0 on: `left` invisible keys first
             run.cache = self.cache_mode.widen(run.cache, run.win, N + left + right, left, rows=batch.x.shape[0])
 

@@ -123,6 +123,8 @@ class Batch:
                                              # with --align sequence, whose last block runs past gen length
     retired: torch.Tensor | None = None      # [B] bool: the row left the batch inside a block (Decoder.leave):
                                              # it takes no further call (None: no row did)
+    span: int = 0                            # host-side bound: every row's valid columns lie within `span` columns
+                                             # from its first (0: unknown); packed calls (engine/cache.py) use it
     memory: object = None                    # uniform-noise models (engine/uniform.py): (the encoder's KVCache of
                                              # the columns before the cursor, how many columns it holds)
 
@@ -171,10 +173,14 @@ class Batch:
     def trimmed(self, position_ids) -> "Batch":
         """Without the columns before every row's first valid one and after every row's last
         generated one (a running batch does not grow without bound)."""
-        first = int(torch.where(self.valid.any(0))[0].min()) if self.valid.any() else 0
-        last = int((self.gen_start + self.gen_len).max())
-        first = min(first, self.cursor)
-        return self.shift(-first, -(self.x.shape[1] - last), position_ids)
+        if self.x.shape[0] == 0:
+            return self
+        starts = self.valid.to(torch.uint8).argmax(1)          # each row's first valid column
+        ends = self.gen_start + self.gen_len
+        first, last, span = torch.stack((starts.min(), ends.max(), (ends - starts).max())).tolist()   # one read
+        trimmed = self.shift(-min(first, self.cursor), -(self.x.shape[1] - last), position_ids)
+        trimmed.span = span                   # exact again (rows that left may have been the longest)
+        return trimmed
 
 
 def join(a: Batch, b: Batch, position_ids) -> Batch:
@@ -193,6 +199,7 @@ def join(a: Batch, b: Batch, position_ids) -> Batch:
     kw["policy_state"] = None if a.policy_state is None else a.policy_state.join(b.policy_state)
     kw["commits"] = Commits.cat(a.commits, b.commits)
     kw["gens"] = None if a.gens is None else a.gens + b.gens
+    kw["span"] = max(a.span, b.span) if a.span and b.span else 0
     return Batch(**kw)
 
 
@@ -323,4 +330,4 @@ def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_l
                  depth_hist=zeros(B, depth + 1), nodes_hist=zeros(B, nodes + 1),
                  carry_pred=zeros(B, block_length), carry_conf=zeros(B, block_length, dtype=torch.float32),
                  carry_ok=zeros(B, dtype=torch.bool), carry_step=zeros(B), pad_id=pad,
-                 out_len=torch.tensor(lengths, device=device))
+                 out_len=torch.tensor(lengths, device=device), span=max(len(p) + d for p, d in zip(prompts, decoded)))

@@ -474,7 +474,9 @@ class Transformer(nn.Module):
         pos: torch.Tensor,                 # [R, T] RoPE positions
         own_mask: torch.Tensor,            # [R or 1, 1, T, T] bool, True = may attend
         cache: KVCache | None = None,      # other positions' keys/values
-        out_start: int = 0,                # logits for query positions [out_start, out_start + out_len)
+        out_start: int | torch.Tensor = 0,   # logits for query positions [out_start, out_start + out_len);
+                                           # a LongTensor [R]: each row's own start (out_len then required;
+                                           # positions past T repeat the last)
         out_len: int | None = None,
         return_kv: bool = False,
         *,
@@ -518,9 +520,13 @@ class Transformer(nn.Module):
                 x, kv = layer(x, *ropes[spec], m_own, kv_i, m_cache, cm, decoder)
             if return_kv:
                 kvs.append(kv)
-        out_len = x.shape[1] - out_start if out_len is None else out_len
-        logits = self.lm_head(x[:, out_start:out_start + out_len])
-        return logits, (kvs if return_kv else None)
+        if isinstance(out_start, torch.Tensor):      # one start per row (a packed call, engine/cache.py)
+            at = (out_start[:, None] + torch.arange(out_len, device=x.device)).clamp(0, x.shape[1] - 1)
+            x = x.gather(1, at[..., None].expand(-1, -1, x.shape[2]))
+        else:
+            out_len = x.shape[1] - out_start if out_len is None else out_len
+            x = x[:, out_start:out_start + out_len]
+        return self.lm_head(x), (kvs if return_kv else None)
 
     @staticmethod
     def _window(window, pos, own_mask, cache, decoder):
@@ -558,8 +564,8 @@ def attention_mask(
     prompt_len: int,           # canvas index where generation starts (padded prompt length)
     block_start: int,          # canvas index of the current block
     block_len: int,
-    q_idx: torch.Tensor,       # [Tq] canvas indices of the queries
-    k_idx: torch.Tensor,       # [Tk] canvas indices of the keys
+    q_idx: torch.Tensor,       # [Tq] canvas indices of the queries, or [R, Tq] per row (>= N: padding)
+    k_idx: torch.Tensor,       # [Tk] canvas indices of the keys, or [R, Tk]
 ) -> torch.Tensor:
     """Boolean mask [R, 1, Tq, Tk] (True = may attend) for the model's attention mode.
 
@@ -573,18 +579,27 @@ def attention_mask(
     canvas arguments (prompt_len, block_start, block_len) play no part. A query always sees
     itself, so a pad row never has an empty softmax (NaN would leak through 0·NaN).
     """
-    i, j = q_idx[:, None], k_idx[None, :]
-    kv = valid[:, k_idx][:, None, None, :]                         # [R, 1, 1, Tk]
+    rows = q_idx.dim() == 2                # per-row indices [R, T]: a packed call (engine/cache.py)
+    N = valid.shape[1]
+    if rows:                               # columns >= N are padding of the call: never visible
+        i, j = q_idx[:, :, None], k_idx[:, None, :]
+        at = lambda t, idx: t.gather(1, idx.clamp(max=N - 1))          # noqa: E731
+        kv = (at(valid, k_idx) & (k_idx < N))[:, None, None, :]
+    else:
+        i, j = q_idx[:, None], k_idx[None, :]
+        at = lambda t, idx: t[:, idx]                                   # noqa: E731
+        kv = valid[:, k_idx][:, None, None, :]                         # [R, 1, 1, Tk]
+    pair = lambda t: t[:, None] if rows else t[None, None]             # noqa: E731  [Tq, Tk] -> [R|1, 1, Tq, Tk]
     if config.attention == "bidirectional":
-        m = kv.expand(valid.shape[0], 1, len(q_idx), len(k_idx))
+        m = kv.expand(valid.shape[0], 1, q_idx.shape[-1], k_idx.shape[-1])
     elif config.attention == "causal":          # DiffusionGemma's encoder mode (its decoder: all keys visible)
-        m = kv & (j <= i)[None, None]
+        m = kv & pair(j <= i)
     elif config.attention == "block_causal":
         blk = torch.div(position_ids(config, valid), config.attention_block, rounding_mode="floor")   # [R, N]
-        m = kv & (blk[:, k_idx][:, None, None, :] <= blk[:, q_idx][:, None, :, None])
+        m = kv & (at(blk, k_idx)[:, None, None, :] <= at(blk, q_idx)[:, None, :, None])
     else:
         ctx_j = j < block_start
         blk = lambda p: torch.div(p - prompt_len, block_len, rounding_mode="floor")  # noqa: E731
         allowed = (ctx_j & ((j <= i) | (i >= block_start))) | ((i >= block_start) & (j >= block_start) & (blk(i) == blk(j)))
-        m = kv & allowed[None, None]
-    return m | (i == j)[None, None]
+        m = kv & pair(allowed)
+    return m | pair(i == j)

@@ -13,7 +13,7 @@ from support import run_main
 
 # every command that runs torch
 THREADED = ["engine.cli", "bench.speed", "bench.eval", "bench.cache_agreement", "bench.arith_probe",
-            "bench.fingerprint", "bench.serve_load", "bench.bench_top1", "bench.bench_draft",
+            "bench.fingerprint", "bench.serve_load", "bench.serve_sim", "bench.bench_top1", "bench.bench_draft",
             "bench.bench_sparse_attn", "bench.train"]
 
 

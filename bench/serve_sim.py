@@ -1,0 +1,201 @@
+"""Continuous against static batching in one process, without HTTP (docs/serve.md, "In one process").
+
+    python -m bench.serve_sim [--clients 16 64] [--cache none dual] [--max-tokens 64 32] [--rounds 2]
+
+The same closed loop as `bench.serve_load`, with the schedulers' decoding and none of the server:
+`--clients` requests are in flight at once and each one that ends is replaced by the next (prompt i
+of the held-out math questions asks for the i-th of `--max-tokens`, cyclically). *continuous*: one
+`engine.live.LiveBatch` (at most `--max-batch` rows) that requests join between two model calls;
+*static*: as `--batching static`, the first waiting request and every waiting one of its length (up
+to `--max-batch`) decoded together from start to end (`Decoder.stream`). Per cache mode and client
+count, the modes run one after the other, alternating which goes first each round, on one model, so
+both see the same machine; rounds are pooled. Reported per cell: requests/s by wall time and by the
+process's CPU time (one thread: on a shared machine CPU time leaves the neighbours out), p50 latency
+and time to first token (the first model call that makes one of its tokens final), model calls and
+token-columns computed per request (rows × columns of every forward pass: what a CPU pays for), and
+whether every request's tokens are equal across modes. The last line is one JSON object.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from engine import DecodeConfig, Decoder
+from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_threads_flag, guarded, thread_count
+from engine.live import LiveBatch
+from models import CheckpointError, Tokenizer, load_model
+
+from ._common import versions
+from .eval import parse_method
+from .serve_load import pct, prompts
+
+MODES = ("continuous", "static")
+
+
+class Meter:
+    """Counts the model's forward passes and the token-columns they compute."""
+
+    def __init__(self, model):
+        self.calls = self.columns = 0
+        forward = model.forward
+
+        def counted(ids, *a, **k):
+            self.calls += 1
+            self.columns += ids.shape[0] * ids.shape[1]
+            return forward(ids, *a, **k)
+
+        model.forward = counted
+
+
+class Load:
+    """The closed loop's requests: request i is prompt i % len(ids) with its max_tokens."""
+
+    def __init__(self, ids: list[list[int]], max_tokens: list[int], block: int, total: int):
+        self.ids, self.max_tokens, self.block, self.total = ids, max_tokens, block, total
+
+    def request(self, i: int) -> tuple[list[int], int, int]:
+        """(prompt ids, gen length, max tokens) of request i (the server's gen length: max_tokens
+        rounded up to the block)."""
+        mt = self.max_tokens[(i % len(self.ids)) % len(self.max_tokens)]
+        return self.ids[i % len(self.ids)], -(-mt // self.block) * self.block, mt
+
+
+def run_continuous(dec: Decoder, load: Load, clients: int, max_batch: int) -> dict:
+    live, t0, out = LiveBatch(dec, max_rows=max_batch), time.perf_counter(), {}
+    info, nxt = {}, 0
+
+    def submit():
+        nonlocal nxt
+        p, g, mt = load.request(nxt)
+        info[live.add(p, g)] = [nxt, mt, time.perf_counter(), None]
+        nxt += 1
+
+    for _ in range(min(clients, load.total)):
+        submit()
+    while (u := live.step()) is not None:
+        now = time.perf_counter()
+        for h in u.pieces:
+            info[h][3] = now if info[h][3] is None else info[h][3]
+        for h, res in u.done.items():
+            i, mt, t, first = info.pop(h)
+            out[i] = (res.token_ids[:mt], now - t, (first or now) - t)
+            if nxt < load.total:
+                submit()
+    return out
+
+
+def run_static(dec_for, load: Load, clients: int, max_batch: int) -> dict:
+    out, waiting, nxt = {}, [], 0
+    for _ in range(min(clients, load.total)):
+        waiting.append((nxt, time.perf_counter()))
+        nxt += 1
+    while waiting:
+        g = load.request(waiting[0][0])[1]
+        batch = [w for w in waiting if load.request(w[0])[1] == g][:max_batch]
+        waiting = [w for w in waiting if w not in batch]
+        first = [None] * len(batch)
+        for u in dec_for(g).stream([load.request(i)[0] for i, _ in batch]):
+            now = time.perf_counter()
+            first = [f if f is not None or not piece else now for f, piece in zip(first, u.pieces)]
+            if u.results is not None:
+                for (i, t), res, f in zip(batch, u.results, first):
+                    out[i] = (res.token_ids[:load.request(i)[2]], now - t, (f or now) - t)
+                    if nxt < load.total:
+                        waiting.append((nxt, time.perf_counter()))
+                        nxt += 1
+    return out
+
+
+def measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: int, max_batch: int) -> dict:
+    meter.calls = meter.columns = 0
+    t0, c0 = time.perf_counter(), time.process_time()
+    if mode == "continuous":
+        out = run_continuous(Decoder(model, DecodeConfig(**config)), load, clients, max_batch)
+    else:
+        decs = {}
+        dec_for = lambda g: decs.setdefault(g, Decoder(model, DecodeConfig(**{**config, "gen_length": g})))  # noqa: E731
+        out = run_static(dec_for, load, clients, max_batch)
+    return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "calls": meter.calls,
+            "columns": meter.columns, "out": out}
+
+
+def summary(runs: list[dict]) -> dict:
+    n = sum(len(r["out"]) for r in runs)
+    lat = [v[1] for r in runs for v in r["out"].values()]
+    ttft = [v[2] for r in runs for v in r["out"].values()]
+    wall, cpu = sum(r["wall"] for r in runs), sum(r["cpu"] for r in runs)
+    return {"requests": n, "req_s": n / wall, "req_cpu_s": n / cpu, "p50_latency": pct(lat, 50),
+            "p50_ttft": pct(ttft, 50), "calls_per_request": sum(r["calls"] for r in runs) / n,
+            "columns_per_request": sum(r["columns"] for r in runs) / n}
+
+
+def run(args) -> int:
+    args.threads = args.threads or 1
+    torch.set_num_threads(args.threads)
+    tok = Tokenizer(args.model)
+    model = load_model(args.model, args.dtype, "cpu")
+    meter = Meter(model)
+    name, opts = parse_method(args.method)
+    rows = []
+    for cache in args.cache:
+        config = {"method": name, "cache": cache, "block_length": args.block_length, **opts}
+        DecodeConfig(**config)                                              # a bad option: one line, now
+        load = Load([tok.encode(t) for t in prompts(64)], args.max_tokens, args.block_length, 0)
+        for clients in args.clients:
+            load.total = args.requests or max(16, 2 * clients)
+            runs = {m: [] for m in MODES}
+            for r in range(args.rounds):
+                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                    runs[mode].append(measure(mode, model, meter, config, load, clients, args.max_batch))
+            same = all(a["out"][i][0] == b["out"][i][0] for a, b in zip(runs["continuous"], runs["static"])
+                       for i in a["out"])
+            cell = {m: summary(runs[m]) for m in MODES}
+            rows.append({"cache": cache, "clients": clients, "identical": same, **cell,
+                         "ratio_req_s": cell["continuous"]["req_s"] / cell["static"]["req_s"],
+                         "ratio_req_cpu_s": cell["continuous"]["req_cpu_s"] / cell["static"]["req_cpu_s"],
+                         "ratio_p50_ttft": cell["continuous"]["p50_ttft"] / cell["static"]["p50_ttft"]})
+    print_table(rows)
+    print(json.dumps({"method": args.method, "max_tokens": args.max_tokens, "max_batch": args.max_batch,
+                      "rounds": args.rounds, "threads": args.threads, "dtype": args.dtype, **versions(),
+                      "rows": rows}))
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| cache | clients | mode | requests | req/s | req/CPU s | p50 latency s | p50 TTFT s | calls / request "
+          "| token-columns / request |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for m in MODES:
+            s = r[m]
+            print(f"| {r['cache']} | {r['clients']} | {m} | {s['requests']} | {s['req_s']:.2f} | {s['req_cpu_s']:.2f} | "
+                  f"{s['p50_latency']:.3f} | {s['p50_ttft']:.3f} | {s['calls_per_request']:.2f} | "
+                  f"{s['columns_per_request']:.0f} |")
+    for r in rows:
+        print(f"cache {r['cache']}, {r['clients']} clients: continuous ÷ static req/s {r['ratio_req_s']:.2f} "
+              f"(by CPU time {r['ratio_req_cpu_s']:.2f}), p50 TTFT {r['ratio_p50_ttft']:.2f}; "
+              f"answers identical: {'yes' if r['identical'] else 'NO'}")
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m bench.serve_sim", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--method", default="confidence:threshold=0.9", help="method[:option=value,...] as bench.eval")
+    p.add_argument("--cache", nargs="+", default=["none", "dual"], choices=("none", "prefix", "dual"))
+    p.add_argument("--clients", nargs="+", type=thread_count, default=[16, 64])
+    p.add_argument("--requests", type=thread_count, help="requests per cell and round (default 2 x clients, >= 16)")
+    p.add_argument("--max-tokens", nargs="+", type=thread_count, default=[64, 32])
+    p.add_argument("--max-batch", type=thread_count, default=32)
+    p.add_argument("--block-length", type=thread_count, default=32)
+    p.add_argument("--rounds", type=thread_count, default=2)
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    add_threads_flag(p, "torch CPU threads (default 1: CPU time then measures one core)")
+    args = p.parse_args(argv)
+    return guarded(lambda: run(args), errors=(CheckpointError, ValueError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

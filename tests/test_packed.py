@@ -1,0 +1,141 @@
+"""Packed whole-canvas calls (engine/cache.py `NoCache._packed`, docs/loop.md "Packed calls"): when the
+rows of a batch span fewer columns than its canvas (rows of different lengths or progress, rows that
+joined a running batch), a whole-canvas call runs each row's own columns only, and gives the same
+logits and keys/values as the padded call at every column that is not padding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import DecodeConfig, Decoder
+from engine.cache import NoCache, Window
+from engine.live import LiveBatch
+from models import ModelConfig, init_random, position_ids
+
+FAMILIES = ["llada", "dream", "pangu", "llada2"]
+
+
+def _model(family):
+    cfg = ModelConfig.tiny(family, vocab_size=64, mask_token_id=63, eos_token_id=62)
+    return init_random(cfg, seed=3, std=0.5).double()
+
+
+def _canvas(mc, spans, N):
+    """Rows with valid columns [a, b) each, random tokens, padding elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(2, 60, (len(spans), N), generator=g)
+    valid = torch.zeros(len(spans), N, dtype=torch.bool)
+    for r, (a, b) in enumerate(spans):
+        valid[r, a:b] = True
+    return x.masked_fill(~valid, 0), valid, position_ids(mc, valid)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_packed_call_is_the_padded_call_at_every_valid_column(family):
+    model = _model(family)
+    mc = model.config
+    # left padding (short prompts), right padding (shorter generations): no row spans all 24 columns
+    spans, N, lo = [(0, 16), (6, 24), (3, 19), (8, 20)], 24, 12
+    x, valid, pos = _canvas(mc, spans, N)
+    span = max(b - a for a, b in spans)
+    mode = NoCache(model)
+    widths = []
+    forward = model.forward
+    model.forward = lambda ids, *a, **k: widths.append(ids.shape[1]) or forward(ids, *a, **k)
+    try:
+        want, want_kv = mode._full(x, valid, pos, Window(10, 4, lo, 4), True)
+        got, got_kv = mode._full(x, valid, pos, Window(10, 4, lo, 4, span=span), True)
+    finally:
+        model.forward = forward
+    assert widths == [N, span]                        # the packed call ran `span` columns per row
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for (k0, v0), (k1, v1) in zip(want_kv, got_kv):
+        for t0, t1 in ((k0, k1), (v0, v1)):
+            torch.testing.assert_close(t1.transpose(1, 2)[valid], t0.transpose(1, 2)[valid], rtol=1e-12, atol=1e-12)
+
+
+def test_the_attention_mask_with_per_row_indices_is_the_canvas_mask_gathered():
+    from models import attention_mask
+    for family in FAMILIES:
+        mc = _model(family).config
+        spans, N = [(0, 16), (6, 24), (3, 19)], 24
+        _, valid, _ = _canvas(mc, spans, N)
+        idx = torch.arange(N)
+        full = attention_mask(mc, valid, 10, 12, 4, idx, idx)           # [R, 1, N, N]
+        first = torch.tensor([a for a, _ in spans])
+        cols = first[:, None] + torch.arange(18)                          # past N: padding of the call
+        packed = attention_mask(mc, valid, 10, 12, 4, cols, cols)
+        for r, (a, b) in enumerate(spans):
+            n = b - a
+            assert torch.equal(packed[r, 0, :n, :n], full[r, 0, a:b, a:b]), family
+            assert not packed[r, 0, :, n:][~torch.eye(18, dtype=torch.bool)[:, n:]].any()   # padding: invisible
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_rows_of_different_lengths_decode_as_alone_and_run_packed(cache):
+    """A static batch of mixed generation lengths packs its whole-canvas calls (the longest prompt and
+    the longest generation are different rows) and every row decodes what it decodes alone."""
+    model = _model("llada")
+    prompts, lengths = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14]], [8, 32]
+    dec = Decoder(model, DecodeConfig(method="confidence", threshold=0.5, block_length=8, cache=cache))
+    alone = [dec.results(_run(dec, dec.start([p], [g])))[0].token_ids for p, g in zip(prompts, lengths)]
+    widths = []
+    forward = model.forward
+    model.forward = lambda ids, *a, **k: widths.append(ids.shape[1]) or forward(ids, *a, **k)
+    try:
+        state = _run(dec, dec.start(prompts, lengths))
+    finally:
+        model.forward = forward
+    assert [r.token_ids for r in dec.results(state)] == alone
+    N, span = 8 + 32, 2 + 32
+    assert span in widths and N not in widths           # no whole-canvas call ran the padded canvas
+
+
+def _run(dec, state):
+    while not state.done:
+        dec.step(state)
+    return state
+
+
+def test_a_live_batch_packs_the_calls_of_rows_that_joined():
+    """Joins lay a new row's prompt out to end at the batch's cursor, padding whichever side is
+    shorter: a longer prompt joining widens the canvas to the left of the running row, whose calls
+    (and the new row's) then run packed, never the whole widened canvas."""
+    model = _model("llada")
+    dec = Decoder(model, DecodeConfig(method="confidence", threshold=0.5, gen_length=16, block_length=8))
+    short, long_ = [5, 6, 7], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    widths = []
+    forward = model.forward
+    model.forward = lambda ids, *a, **k: widths.append(ids.shape[1]) or forward(ids, *a, **k)
+    try:
+        live = LiveBatch(dec)
+        a = live.add(short, gen_length=16)
+        live.step()                                   # a's first call: its first block is open
+        b = live.add(long_, gen_length=8)             # ends at a's cursor: 7 columns of padding before a
+        done = {}
+        while (u := live.step()) is not None:
+            done.update(u.done)
+    finally:
+        model.forward = forward
+    alone = [dec.results(_run(dec, dec.start([p], [g])))[0].token_ids for p, g in ((short, 16), (long_, 8))]
+    assert [done[a].token_ids, done[b].token_ids] == alone
+    canvas, span = 7 + 3 + 16, max(3 + 16, 10 + 8)
+    assert widths[0] == 3 + 16 and max(widths[1:]) == span < canvas   # packed: never the widened canvas
+
+
+def test_serve_sim_compares_the_schedulers_on_the_same_requests(capsys):
+    """bench.serve_sim: both schedulers answer every request with the same tokens, and its table
+    and JSON report the cost of each; bad options are one line."""
+    import json
+
+    from bench import serve_sim
+    from support import run_main
+    rc, out, err = run_main(serve_sim.main, ["--clients", "3", "--requests", "5", "--rounds", "1", "--cache", "none",
+                                             "--max-tokens", "16", "8", "--block-length", "8"], capsys)
+    assert rc == 0, err
+    row = json.loads(out.strip().splitlines()[-1])["rows"][0]
+    assert row["identical"] and row["clients"] == 3
+    for mode in ("continuous", "static"):
+        assert row[mode]["requests"] == 5 and row[mode]["columns_per_request"] > 0 and row[mode]["calls_per_request"] > 0
+    rc, _, err = run_main(serve_sim.main, ["--method", "confidence:threshold=7", "--requests", "2"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:")
