@@ -28,8 +28,8 @@ A measured curve is a prior, not the truth: measured under load it can make two 
 cheap as one. So where the cost is measured, every node count run is costed by its own blocks'
 wall time (a count not run yet by its run neighbours', interpolated), and the policy alone, the
 size every dearer set is compared with, is timed by its own blocks: before a dearer set is kept
-a second block, and again after 2, 4, ... `RECHECK_MAX` blocks of dearer sets (a bounded share
-of the blocks, and deterministic in block counts, never in times). Which nodes are verified is
+a second block, and again after 8, 16, then every `RECHECK_MAX` blocks of dearer sets (a bounded
+share of the blocks, at most 1 in 9, and deterministic in block counts, never in times). Which nodes are verified is
 all the budget decides: the tokens of exact acceptance are the policy's whatever it picks.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .graph import DraftGraph, Plan, make_plan
 
 PRIOR_Q, PRIOR_WEIGHT = 0.8, 4.0
 MARGIN = 1.05           # a dearer set must promise 5% more tokens per ms: the policy alone is the safe side
-RECHECK_MAX = 32        # at most this many blocks of dearer sets between two timings of the policy alone
+RECHECK_FIRST, RECHECK_MAX = 8, 32   # blocks of dearer sets between timings of the policy alone: 8, 16, 32, 32 ...
 _MEASURED: dict[tuple, CostModel] = {}         # measured curves, shared by decoders of one shape
 
 
@@ -202,7 +202,7 @@ class DraftBudget:
     def check_due(self) -> bool:
         """Is the policy alone to be timed again before a dearer set runs? Only with a measured cost
         (given costs and profiles are used as they are): after the first block of dearer sets, then
-        after 2, 4, ... RECHECK_MAX of them. Its own blocks' time is what every dearer set's is
+        after RECHECK_FIRST, twice that, ... RECHECK_MAX of them. Its own blocks' time is what every dearer set's is
         compared with; borrowed from a dearer set's blocks, the curve's ratio between the two (which
         load can make wrong) would never be measured."""
         return self.timed and self.since_policy >= self.recheck
@@ -247,12 +247,13 @@ class DraftBudget:
 
     def count(self, m: int) -> None:
         """Count a planned block of `m` nodes for `check_due`: a block of the policy alone that was
-        due doubles the next gap (up to RECHECK_MAX); any block of it restarts the count."""
+        due sets the next gap (RECHECK_FIRST, then doubled up to RECHECK_MAX); any block of it
+        restarts the count."""
         if m > 1:
             self.since_policy += 1
             return
         if self.since_policy >= self.recheck:
-            self.recheck = min(2 * self.recheck, RECHECK_MAX)
+            self.recheck = min(max(RECHECK_FIRST, 2 * self.recheck), RECHECK_MAX)
         self.since_policy = 0
 
     def correction(self, m: int) -> float:
