@@ -163,7 +163,11 @@ THREADS_HELP = ("torch CPU threads (default: PSD_BENCH_THREADS, else torch's, on
 
 def bench_threads(n: int | None = None) -> None:
     """Pin CPU benchmarks to `n` threads (a command's --threads), else to PSD_BENCH_THREADS (shared
-    machines), else leave torch's default."""
+    machines), else leave torch's default; the C allocator tuned as the engine's commands do
+    (engine.frontend.tune_allocator)."""
+    from engine.frontend import tune_allocator
+
+    tune_allocator()
     n = n or os.environ.get("PSD_BENCH_THREADS")
     if n:
         torch.set_num_threads(int(n))

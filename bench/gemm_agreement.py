@@ -19,7 +19,7 @@ import time
 import torch
 
 from engine import DecodeConfig, Decoder
-from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, checked_gemm, guarded, thread_count
+from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, checked_gemm, guarded, set_threads, thread_count
 from models import CheckpointError, Tokenizer, load_model
 
 from .eval import parse_method
@@ -62,7 +62,7 @@ def compare(model, tok, task, problems, spec: str, args) -> dict:
 
 
 def run(args) -> int:
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)     # and the C allocator, as engine.generate
     task, tok = get_task(args.task), Tokenizer(args.model)
     problems = task.load(None, limit=args.limit)
     checked_gemm("onednn", "cpu", args.dtype)             # before the weights are read

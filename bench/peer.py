@@ -65,7 +65,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from engine.frontend import Parser, guarded, thread_count
+from engine.frontend import Parser, guarded, set_threads, thread_count
 from models.transformer import GEMMS
 
 PEER_VERSION = "0.3.36"
@@ -463,7 +463,7 @@ def run(args) -> int:
     version = (peer / "VERSION").read_text().strip() if (peer / "VERSION").exists() else "?"
     work = Path(args.work or peer / "work")
     work.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)     # and the C allocator, as engine.generate
     report = {"peer": f"{PACKAGE} {version} (vendored llama.cpp)", "threads": args.threads, "gen": args.gen,
               "fa": args.fa, "prompt": args.prompt, "reps": args.reps, "torch": torch.__version__,
               "gemms": args.gemm, "sizes": {}}
@@ -597,7 +597,7 @@ def profile_table(ev, wall: float, top: int) -> str:
 def profile(args) -> int:
     import torch
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)     # and the C allocator, as engine.generate
     work = Path(args.work or Path(args.peer) / "work")
     work.mkdir(parents=True, exist_ok=True)
     for size in args.size:

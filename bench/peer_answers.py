@@ -36,7 +36,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from engine.frontend import Parser, guarded, thread_count
+from engine.frontend import Parser, guarded, set_threads, thread_count
 from models.transformer import GEMMS
 
 from . import peer as P
@@ -160,8 +160,6 @@ def peer_load_cpu(peer: Path, gguf: Path, so: Path, layout: dict, texts: list, a
 
 
 def answers(args) -> int:
-    import torch
-
     from engine import DecodeConfig, Decoder
     from models import Tokenizer, load_model
 
@@ -173,7 +171,7 @@ def answers(args) -> int:
     if not P.binary(peer, "llama-diffusion-cli").exists():
         raise P.PeerError(f"no {P.binary(peer, 'llama-diffusion-cli')}: run `python -m bench.peer build --dir {peer}`")
     work.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)     # and the C allocator, as engine.generate
     task, tok = get_task(args.task), Tokenizer(P.SHIPPED)
     problems = task.load(None, limit=args.limit)
     gguf, layout = answer_checkpoint(peer, work)

@@ -7,7 +7,9 @@ The same closed loop as `bench.serve_load`, with the schedulers' decoding and no
 of the held-out math questions asks for the i-th of `--max-tokens`, cyclically). *continuous*: one
 `engine.live.LiveBatch` (at most `--max-batch` rows) that requests join between two model calls;
 *static*: as `--batching static`, the first waiting request and every waiting one of its length (up
-to `--max-batch`) decoded together from start to end (`Decoder.stream`). Per cache mode and client
+to `--max-batch`) decoded together from start to end (`Decoder.stream`); *serial* (`--modes ...
+serial`): one request at a time, which computes each request's own columns only (no padding at
+all: the floor of the token-columns a scheduler can reach). Per cache mode and client
 count, the modes run one after the other, alternating which goes first each round, on one model, so
 both see the same machine; rounds are pooled. Reported per cell: requests/s by wall time and by the
 process's CPU time (one thread: on a shared machine CPU time leaves the neighbours out), p50 latency
@@ -22,10 +24,8 @@ import statistics
 import sys
 import time
 
-import torch
-
 from engine import DecodeConfig, Decoder
-from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_threads_flag, guarded, thread_count
+from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_threads_flag, guarded, set_threads, thread_count
 from engine.live import LiveBatch
 from models import CheckpointError, Tokenizer, load_model
 
@@ -33,7 +33,7 @@ from ._common import versions
 from .eval import parse_method
 from .serve_load import pct, prompts
 
-MODES = ("continuous", "static")
+MODES = ("continuous", "static", "serial")
 
 
 class Meter:
@@ -111,6 +111,7 @@ def run_static(dec_for, load: Load, clients: int, max_batch: int) -> dict:
 
 
 def measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: int, max_batch: int) -> dict:
+    max_batch = 1 if mode == "serial" else max_batch
     meter.calls = meter.columns = 0
     t0, c0 = time.perf_counter(), time.process_time()
     if mode == "continuous":
@@ -135,7 +136,7 @@ def summary(runs: list[dict]) -> dict:
 
 def run(args) -> int:
     args.threads = args.threads or 1
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)     # and the C allocator, as engine.generate
     tok = Tokenizer(args.model)
     model = load_model(args.model, args.dtype, "cpu")
     meter = Meter(model)
@@ -147,29 +148,30 @@ def run(args) -> int:
         load = Load([tok.encode(t) for t in prompts(64)], args.max_tokens, args.block_length, 0)
         for clients in args.clients:
             load.total = args.requests or max(16, 2 * clients)
-            runs = {m: [] for m in MODES}
+            runs = {m: [] for m in args.modes}
             for r in range(args.rounds):
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                for mode in (args.modes if r % 2 == 0 else args.modes[::-1]):
                     runs[mode].append(measure(mode, model, meter, config, load, clients, args.max_batch))
-            same = all(a["out"][i][0] == b["out"][i][0] for a, b in zip(runs["continuous"], runs["static"])
+            first = runs[args.modes[0]]
+            same = all(a["out"][i][0] == b["out"][i][0] for m in args.modes for a, b in zip(first, runs[m])
                        for i in a["out"])
-            cell = {m: summary(runs[m]) for m in MODES}
+            cell = {m: summary(runs[m]) for m in args.modes}
             rows.append({"cache": cache, "clients": clients, "identical": same, **cell,
                          "ratio_req_s": cell["continuous"]["req_s"] / cell["static"]["req_s"],
                          "ratio_req_cpu_s": cell["continuous"]["req_cpu_s"] / cell["static"]["req_cpu_s"],
                          "ratio_p50_ttft": cell["continuous"]["p50_ttft"] / cell["static"]["p50_ttft"]})
-    print_table(rows)
+    print_table(rows, args.modes)
     print(json.dumps({"method": args.method, "max_tokens": args.max_tokens, "max_batch": args.max_batch,
                       "rounds": args.rounds, "threads": args.threads, "dtype": args.dtype, **versions(),
                       "rows": rows}))
     return 0
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], modes) -> None:
     print("| cache | clients | mode | requests | req/s | req/CPU s | p50 latency s | p50 TTFT s | calls / request "
           "| token-columns / request |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        for m in MODES:
+        for m in modes:
             s = r[m]
             print(f"| {r['cache']} | {r['clients']} | {m} | {s['requests']} | {s['req_s']:.2f} | {s['req_cpu_s']:.2f} | "
                   f"{s['p50_latency']:.3f} | {s['p50_ttft']:.3f} | {s['calls_per_request']:.2f} | "
@@ -184,6 +186,8 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m bench.serve_sim", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--method", default="confidence:threshold=0.9", help="method[:option=value,...] as bench.eval")
+    p.add_argument("--modes", nargs="+", default=list(MODES[:2]), choices=MODES,
+                   help="schedulers to compare (continuous and static are required: the ratios are theirs)")
     p.add_argument("--cache", nargs="+", default=["none", "dual"], choices=("none", "prefix", "dual"))
     p.add_argument("--clients", nargs="+", type=thread_count, default=[16, 64])
     p.add_argument("--requests", type=thread_count, help="requests per cell and round (default 2 x clients, >= 16)")
@@ -194,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     add_threads_flag(p, "torch CPU threads (default 1: CPU time then measures one core)")
     args = p.parse_args(argv)
+    if not {"continuous", "static"} <= set(args.modes):
+        p.error("--modes needs continuous and static (the ratios are theirs)")
     return guarded(lambda: run(args), errors=(CheckpointError, ValueError, OSError))
 
 

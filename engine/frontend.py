@@ -107,8 +107,41 @@ def checked_gemm(kind: str, device, dtype: str, tensor_parallel: bool = False) -
     return kind
 
 
+# glibc's mallopt parameters (malloc.h); the heap keeps freed memory below these
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20        # glibc's largest: blocks above it are mmapped (and unmapped when freed)
+TRIM_THRESHOLD = 1 << 30         # free memory at the heap's top returned to the system only above this
+MALLOC_ENV = "PSD_MALLOC"        # "default": leave the C allocator as the process found it
+
+
+def tune_allocator() -> bool:
+    """Keep freed tensor memory in this process's heap for the next model call (Linux, glibc).
+
+    With glibc's defaults a CPU decode returns the activations' memory to the system after each
+    call (its heap top is trimmed, blocks over the dynamic mmap threshold are unmapped) and faults
+    it back in on the next: on the shipped model, PSD at batch 1 without a cache spent 12% of its
+    time there (docs/results.md, "The C allocator"). This fixes the mmap threshold at 32 MiB and the
+    trim threshold at 1 GiB, so a process holds up to that much freed memory for reuse. Not done
+    when PSD_MALLOC=default, when the environment already sets a MALLOC_*_ variable (the user's own
+    tuning) or off glibc; True if the thresholds were set. Numerics are untouched."""
+    if os.environ.get(MALLOC_ENV) == "default" or any(k.startswith("MALLOC_") for k in os.environ):
+        return False
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):             # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
 def set_threads(n: int | None) -> None:
-    """torch's intra-op threads for this process (None: torch's default, left alone)."""
+    """torch's intra-op threads for this process (None: torch's default, left alone), and the C
+    allocator tuned for repeated model calls (`tune_allocator`)."""
+    tune_allocator()
     if n is not None:
         import torch
 

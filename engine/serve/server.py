@@ -98,10 +98,10 @@ class Server:
 
             from ..config import DecodeConfig
             from ..distributed import decoder_class
+            from ..frontend import set_threads
             from ..loop import Decoder
 
-            if self.args.threads:
-                torch.set_num_threads(self.args.threads)
+            set_threads(self.args.threads)          # and the C allocator (engine.frontend.tune_allocator)
             t0 = time.perf_counter()
             tp = current()                     # tensor parallel (torchrun): this rank's shard
             model = load_model(self.model_dir, dtype=self.args.dtype,
