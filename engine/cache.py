@@ -52,14 +52,22 @@ class NoCache:
     def __init__(self, model):
         self.model, self.mc = model, model.config
 
+    def packs(self, win: Window, n: int) -> bool:
+        """Does a whole-canvas call of `n` columns run packed (`_packed`)?"""
+        return 0 < win.span < n and getattr(self.model, "tp", None) is None
+
     def _full(self, x, valid, pos, win: Window, return_kv: bool):
-        """The whole canvas; logits for the window (read at i - logit shift). Packed when the rows'
-        valid columns span fewer than the canvas's (`Window.span`): each row's columns from its first
-        valid one, so padding that aligns rows of different lengths and progress costs no compute
-        (docs/loop.md, "Packed calls")."""
+        """The whole canvas; logits for the window (read at i - logit shift), and with `return_kv`
+        every layer's keys/values on the canvas's columns. Packed when the rows' valid columns span
+        fewer than the canvas's (`Window.span`), so padding that aligns rows of different lengths and
+        progress costs no compute (docs/loop.md, "Packed calls")."""
         N = x.shape[1]
-        if 0 < win.span < N and getattr(self.model, "tp", None) is None:
-            return self._packed(x, valid, pos, win, return_kv)
+        if self.packs(win, N):
+            logits, kvs, first = self._packed(x, valid, pos, win, return_kv)
+            if kvs is not None:    # each canvas column's packed one (outside a row's span: invisible keys)
+                back = (torch.arange(N, device=x.device) - first[:, None]).clamp(0, win.span - 1)
+                kvs = [tuple(_columns(t, back) for t in kv) for kv in kvs]
+            return logits, kvs
         idx = torch.arange(N, device=x.device)
         return self.model(x, pos, win.mask(self.mc, valid, idx, idx), out_start=win.lo - self.mc.logit_shift,
                           out_len=win.width + win.ahead, return_kv=return_kv)
@@ -67,7 +75,7 @@ class NoCache:
     def _packed(self, x, valid, pos, win: Window, return_kv: bool):
         """`_full` over `win.span` columns per row, row b's starting at its first valid column
         first[b]: the same tokens, positions and mask entries at every valid column (the queries past
-        a row's canvas are padding), keys and values returned on the canvas's columns again."""
+        a row's canvas are padding). Returns (logits, keys/values on the packed columns, first)."""
         N, W = x.shape[1], win.span
         first = valid.to(torch.uint8).argmax(1)                                  # [R], on the device
         cols = first[:, None] + torch.arange(W, device=x.device)                 # [R, W] canvas columns
@@ -75,10 +83,7 @@ class NoCache:
         logits, kvs = self.model(x.gather(1, at), pos.gather(1, at), win.mask(self.mc, valid, cols, cols),
                                  out_start=win.lo - self.mc.logit_shift - first, out_len=win.width + win.ahead,
                                  return_kv=return_kv)
-        if kvs is not None:        # each canvas column's packed one (columns outside a row's span: invisible keys)
-            back = (torch.arange(N, device=x.device) - first[:, None]).clamp(0, W - 1)[:, None, :, None]
-            kvs = [tuple(t.gather(2, back.expand(-1, t.shape[1], -1, t.shape[3])) for t in kv) for kv in kvs]
-        return logits, kvs
+        return logits, kvs, first
 
     def start(self, x, valid, pos, win: Window):
         return self._full(x, valid, pos, win, False)[0], None
@@ -147,7 +152,49 @@ class PrefixCache(NoCache):
 
 
 class DualCache(PrefixCache):
+    """With packed calls (`NoCache.packs`) the cache is packed too: each row's visible keys (its
+    prefix, then on bidirectional models its suffix) first, in canvas order, then invisible slots, so
+    a block's later calls attend over `span - block - shift` columns, not the aligned canvas's."""
+
     name = "dual"
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.packed = False              # the open block's cache has the packed layout
+
+    def _canvas_cols(self, win: Window, n: int) -> int:
+        return sum(b - a for a, b in self.cached_spans(win, n))
+
+    def _packed_cols(self, win: Window, n: int) -> int:
+        """Cache columns of a packed block: a row in the block has its block's columns valid, so at
+        most span - block length - logit shift of its columns are cached."""
+        return min(win.span - win.block_length - self.mc.logit_shift, self._canvas_cols(win, n))
+
+    def start(self, x, valid, pos, win: Window):
+        N, held = x.shape[1], self.store.appending_to
+        if not self.packs(win, N) or (held is not None and not self.packed):
+            self.packed = self.packed if held is not None else False
+            return super().start(x, valid, pos, win)
+        logits, kvs, first = self._packed(x, valid, pos, win, True)
+        C = held.cols if held is not None else self._packed_cols(win, N)
+        lo = win.lo - self.mc.logit_shift
+        j = torch.arange(C, device=x.device)
+        # slot j of row b: its prefix's j-th visible key, then its suffix (canvas col hi on), as packed columns
+        col = torch.where(j < (lo - first)[:, None], j, j - (lo - first)[:, None] + (win.hi - first)[:, None])
+        probe = torch.full((x.shape[0], 1), win.lo, device=x.device)   # any block query: visibility is query-independent
+        key_mask = win.mask(self.mc, valid, probe, first[:, None] + col)[:, 0, 0]
+        cache = self.store.write([tuple(_columns(t, col.clamp(0, win.span - 1)) for t in kv) for kv in kvs],
+                                 [(0, C)], key_mask, C)
+        self.packed = True
+        return logits, cache
+
+    def widen(self, cache, win: Window, n: int, left: int, rows: int = 0):
+        """A packed cache does not move when the canvas widens: it gains the columns the joining
+        rows' caches need (invisible for the running rows)."""
+        if not self.packed:
+            return super().widen(cache, win, n, left, rows)
+        cols = self._packed_cols(win, n) if self.packs(win, n) else self._canvas_cols(win, n)
+        return self.store.widen(cache, 0, max(0, cols - cache.key_mask.shape[1]), cols_cap=cols, rows_cap=rows)
 
     def query_span(self, win: Window, n: int) -> tuple[int, int]:
         return win.lo - self.mc.logit_shift, win.hi
@@ -157,6 +204,11 @@ class DualCache(PrefixCache):
         if self.mc.attention != "bidirectional":   # the suffix is invisible to a context-causal block
             return prefix
         return prefix + [(win.hi, n)]
+
+
+def _columns(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t [R, H, T, D] at columns idx [R, C] of each row: [R, H, C, D]."""
+    return t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
 
 
 CACHE_MODES = {mode.name: mode for mode in (NoCache, PrefixCache, DualCache)}

@@ -135,6 +135,11 @@ class KVStore:
             raise RuntimeError("this KV cache is of an earlier block: its store now holds a later block's keys "
                                "(a cache mode's store serves one running batch at a time)")
 
+    @property
+    def appending_to(self) -> Slots | None:
+        """Where the open block's rows are while rows join it (`after`), else None."""
+        return self._after
+
     @contextlib.contextmanager
     def after(self, cache):
         """Writes inside this block go after `cache`'s rows (rows joining an open block) instead of

@@ -139,3 +139,24 @@ def test_serve_sim_compares_the_schedulers_on_the_same_requests(capsys):
         assert row[mode]["requests"] == 5 and row[mode]["columns_per_request"] > 0 and row[mode]["calls_per_request"] > 0
     rc, _, err = run_main(serve_sim.main, ["--method", "confidence:threshold=7", "--requests", "2"], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:")
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "pangu"])
+def test_a_packed_block_caches_each_rows_keys_only(family):
+    """`dual` on a packed block: the cache holds span - block - shift columns per row (each row's
+    visible keys first), not the canvas's, and every row still decodes what it decodes alone."""
+    model = _model(family)
+    prompts, lengths, L = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14]], [8, 32], 8
+    dec = Decoder(model, DecodeConfig(method="confidence", threshold=0.5, block_length=L, cache="dual"))
+    alone = [dec.results(_run(dec, dec.start([p], [g])))[0].token_ids for p, g in zip(prompts, lengths)]
+    cached = []
+    forward = model.forward
+    model.forward = lambda ids, *a, cache=None, **k: (cache is not None and cached.append(cache.length)) \
+        or forward(ids, *a, cache=cache, **k)
+    try:
+        state = _run(dec, dec.start(prompts, lengths))
+    finally:
+        model.forward = forward
+    assert [r.token_ids for r in dec.results(state)] == alone
+    span, canvas, shift = 2 + 32, 8 + 32, model.config.logit_shift
+    assert cached and max(cached) <= span - L - shift < canvas - L - shift
