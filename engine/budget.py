@@ -25,8 +25,8 @@ and the best size wins, ties to the smaller. Everything it reads back is one sma
 block; the per-step bookkeeping stays on the device.
 
 A measured curve is a prior, not the truth: measured under load it can make two nodes look as
-cheap as one. So where the cost is measured, every node count run is costed by its own blocks'
-wall time (a count not run yet by its run neighbours', interpolated), and the policy alone, the
+cheap as one. So where the cost is measured, every node count run is costed by its own fastest
+block's wall time (a count not run yet by its run neighbours', interpolated), and the policy alone, the
 size every dearer set is compared with, is timed by its own blocks: before a dearer set is kept
 a second block, and again after 8, 16, then every `RECHECK_MAX` blocks of dearer sets (a bounded
 share of the blocks, at most 1 in 9, and deterministic in block counts, never in times). Which nodes are verified is
@@ -82,8 +82,7 @@ class DraftBudget:
         self.size_calls = torch.zeros(K + 1, device=device)   # and the verification calls they took
         self.plans: dict[tuple, Plan] = {}
         self.chosen: list[int] = []                           # nodes chosen per planned block
-        self.actual_ms = [0.0] * (K + 1)                      # per plan size: measured block time ...
-        self.model_ms = [0.0] * (K + 1)                       # ... and what the cost model predicted
+        self.ratio: list[float | None] = [None] * (K + 1)     # per plan size: measured / modelled, fastest block
         self._open, self._pending = None, []
         self.row_blocks, self.block_length = 0, 32          # rows × blocks observed; the block length
         self.since_policy, self.recheck = 0, 1              # dearer blocks since the policy alone; the gap due
@@ -238,11 +237,13 @@ class DraftBudget:
     def _fold_times(self, calls_per_row: list[float]) -> None:
         """Blocks timed since the last plan: measured ms against V · cost(A · m) (V verification
         calls per row), per size. Their ratio scales the cost model for that size, so what a call
-        costs beyond the model call (drafting, selection, bookkeeping) is counted too."""
+        costs beyond the model call (drafting, selection, bookkeeping) is counted too; the fastest
+        block's, as the curve keeps the fastest call: load only ever adds time, and a block timed
+        under load must not make its size look dearer than the others for good."""
         for (m, rows, ms, _), v in zip(self._pending, calls_per_row):
             if v > 0:
-                self.actual_ms[m] += ms
-                self.model_ms[m] += v * self.cost.ms(rows * m)
+                r = ms / (v * self.cost.ms(rows * m))
+                self.ratio[m] = r if self.ratio[m] is None else min(self.ratio[m], r)
         self._pending = []
 
     def count(self, m: int) -> None:
@@ -257,14 +258,14 @@ class DraftBudget:
         self.since_policy = 0
 
     def correction(self, m: int) -> float:
-        """Measured / modelled call time for size m: its own blocks' where it ran; else, between
+        """Measured / modelled call time for size m: its own fastest block's where it ran; else, between
         two sizes that ran, interpolated between theirs, else the nearest's (1 before any)."""
-        sizes = [s for s in range(1, len(self.model_ms)) if self.model_ms[s] > 0]
+        sizes = [s for s in range(1, len(self.ratio)) if self.ratio[s] is not None]
         if not sizes:
             return 1.0
 
         def own(s):
-            return min(4.0, max(0.25, self.actual_ms[s] / self.model_ms[s]))
+            return min(4.0, max(0.25, self.ratio[s]))
 
         below, above = [s for s in sizes if s <= m], [s for s in sizes if s >= m]
         if below and above:

@@ -80,11 +80,12 @@ def test_the_cheapest_untried_set_is_tried_first():
     assert _budget(DraftGraph.chain(3), FREE).choose(8, [1.0, 0.8, 0.8, 0.8], c=2.0) == [0, 1, 2, 3]
 
 
-def _simulate(b, blocks, true_ms, tpc, c=2.0, calls=10):
+def _simulate(b, blocks, true_ms, tpc, c=2.0, calls=10, load=None):
     """Drive a budget whose cost was "measured" (b.cost set by hand) through `blocks` blocks of
-    one row: a block of m nodes takes `calls` verification calls of true_ms[m] each and commits
-    tpc[m] tokens per call (node 1 accepted in tpc[2] - c of its calls). The node counts chosen."""
-    for _ in range(blocks):
+    one row: a block of m nodes takes `calls` verification calls of true_ms[m] each (times
+    load[block], default 1) and commits tpc[m] tokens per call (node 1 accepted in tpc[2] - c of
+    its calls). The node counts chosen."""
+    for i in range(blocks):
         m = len(b.next_nodes(1))
         b.size_tokens[m] += calls * tpc[m]
         b.size_calls[m] += calls
@@ -93,7 +94,7 @@ def _simulate(b, blocks, true_ms, tpc, c=2.0, calls=10):
         if m > 1:
             b.tried[1] += calls
             b.accepted[1] += calls * (tpc[m] - c)
-        b.record(m, 1, calls * true_ms[m], float(calls))
+        b.record(m, 1, calls * true_ms[m] * (load or {}).get(i, 1.0), float(calls))
     return b.chosen
 
 
@@ -127,6 +128,16 @@ def test_drafts_that_pay_are_kept_and_the_policy_alone_is_retimed_rarely():
     # given costs are used as they are: no re-timing
     fixed = DraftBudget(DraftGraph.chain(1), lambda g: None, torch.device("cpu"), CostModel([1, 1000], [10.0, 10.0]))
     assert set(_simulate(fixed, 20, true_ms={1: 10.0, 2: 12.0}, tpc={1: 2.0, 2: 3.5})) == {2}
+
+
+def test_one_block_timed_under_load_does_not_decide_for_good():
+    """The policy alone's first timing falls in a loaded moment (1.6x): drafts that do not pay
+    (2 nodes 1.4x the time, 1.2x the tokens per call) look better and run until the next timing
+    (after 8 blocks of drafts), which at normal load moves auto back for good: each size is costed
+    by its fastest block, as the curve keeps the fastest call."""
+    b = _timed(DraftGraph.chain(1), CostModel([1, 1000], [10.0, 10.0]))
+    chosen = _simulate(b, 40, true_ms={1: 10.0, 2: 14.0}, tpc={1: 2.0, 2: 2.4}, load={1: 1.6})
+    assert chosen[:2] == [2, 1] and set(chosen[2:10]) == {2} and set(chosen[10:]) == {1}, chosen
 
 
 def test_a_size_not_run_is_costed_between_the_sizes_that_ran():
