@@ -148,6 +148,8 @@ class PrefixCache(NoCache):
         old first (`win`: the block's window there); the new cached columns are invisible. The
         store makes room for `rows` rows (those about to join too) on that canvas."""
         back = sum(b - a for a, b in self.cached_spans(win, n)) - cache.key_mask.shape[1] - left
+        if not left and not back:                 # the canvas is as it was (a join changed the span only)
+            return cache
         return self.store.widen(cache, left, back, cols_cap=n, rows_cap=rows)
 
 
@@ -194,7 +196,9 @@ class DualCache(PrefixCache):
         if not self.packed:
             return super().widen(cache, win, n, left, rows)
         cols = self._packed_cols(win, n) if self.packs(win, n) else self._canvas_cols(win, n)
-        return self.store.widen(cache, 0, max(0, cols - cache.key_mask.shape[1]), cols_cap=cols, rows_cap=rows)
+        if cols <= cache.key_mask.shape[1]:
+            return cache
+        return self.store.widen(cache, 0, cols - cache.key_mask.shape[1], cols_cap=cols, rows_cap=rows)
 
     def query_span(self, win: Window, n: int) -> tuple[int, int]:
         return win.lo - self.mc.logit_shift, win.hi

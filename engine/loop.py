@@ -376,8 +376,13 @@ class Decoder:
 
     def _widen(self, run: BlockRun, batch: Batch, left: int, right: int) -> None:
         """The open block's rows on `batch`'s wider canvas: `left` columns before (prompts of rows
-        that joined are longer), `right` after; their cached keys padded with invisible ones."""
+        that joined are longer), `right` after; their cached keys padded with invisible ones. The
+        block's calls take the batch's span (engine/cache.py: packed calls) even when nothing widens."""
         if not left and not right:
+            if batch.span != run.win.span:
+                run.win = dataclasses.replace(run.win, span=batch.span)
+                if run.cache is not None:
+                    run.cache = self.cache_mode.widen(run.cache, run.win, run.x.shape[1], 0, rows=batch.x.shape[0])
             return
         N = run.x.shape[1]
         run.x = pad_columns(run.x, left, right, batch.pad_id)

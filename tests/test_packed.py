@@ -160,3 +160,20 @@ def test_a_packed_block_caches_each_rows_keys_only(family):
     assert [r.token_ids for r in dec.results(state)] == alone
     span, canvas, shift = 2 + 32, 8 + 32, model.config.logit_shift
     assert cached and max(cached) <= span - L - shift < canvas - L - shift
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_a_join_that_spans_more_without_widening_the_canvas(cache):
+    """A row joining an open packed block may span more columns than any running row while fitting
+    the canvas as it is (no padding added): the block's calls take the wider span from then on."""
+    model = _model("llada")
+    dec = Decoder(model, DecodeConfig(method="confidence", threshold=0.5, block_length=8, cache=cache))
+    a, b, c = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]
+    state = dec.start([a, b], [8, 24], live=True)          # canvas 10 + 24, spans 18 and 26: packed
+    assert dec.step(state)                                 # the first block's first call
+    dec.join(state, [c], [24])                             # spans 34 = the canvas: nothing widens
+    while dec.step(state) or state.batch.cursor < state.batch.end:
+        pass
+    got = [r.token_ids for r in dec.results(state)]
+    alone = [dec.results(_run(dec, dec.start([p], [g])))[0].token_ids for p, g in ((a, 8), (b, 24), (c, 24))]
+    assert got == alone
