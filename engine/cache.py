@@ -143,11 +143,15 @@ class PrefixCache(NoCache):
     def release(self) -> None:
         self.store.release()
 
+    def _canvas_cols(self, win: Window, n: int) -> int:
+        """Columns of a cache in canvas layout: every cached span of an `n`-column canvas."""
+        return sum(b - a for a, b in self.cached_spans(win, n))
+
     def widen(self, cache, win: Window, n: int, left: int, rows: int = 0):
         """The open block's `cache` on a canvas widened to `n` columns, `left` of them before the
         old first (`win`: the block's window there); the new cached columns are invisible. The
         store makes room for `rows` rows (those about to join too) on that canvas."""
-        back = sum(b - a for a, b in self.cached_spans(win, n)) - cache.key_mask.shape[1] - left
+        back = self._canvas_cols(win, n) - cache.key_mask.shape[1] - left
         if not left and not back:                 # the canvas is as it was (a join changed the span only)
             return cache
         return self.store.widen(cache, left, back, cols_cap=n, rows_cap=rows)
@@ -164,9 +168,6 @@ class DualCache(PrefixCache):
         super().__init__(model)
         self.packed = False              # the open block's cache has the packed layout
 
-    def _canvas_cols(self, win: Window, n: int) -> int:
-        return sum(b - a for a, b in self.cached_spans(win, n))
-
     def _packed_cols(self, win: Window, n: int) -> int:
         """Cache columns of a packed block: a row in the block has its block's columns valid, so at
         most span - block length - logit shift of its columns are cached."""
@@ -175,7 +176,8 @@ class DualCache(PrefixCache):
     def start(self, x, valid, pos, win: Window):
         N, held = x.shape[1], self.store.appending_to
         if not self.packs(win, N) or (held is not None and not self.packed):
-            self.packed = self.packed if held is not None else False
+            if held is None:                 # a new block's layout; rows joining one follow its layout
+                self.packed = False
             return super().start(x, valid, pos, win)
         logits, kvs, first = self._packed(x, valid, pos, win, True)
         C = held.cols if held is not None else self._packed_cols(win, N)

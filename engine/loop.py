@@ -378,23 +378,19 @@ class Decoder:
         """The open block's rows on `batch`'s wider canvas: `left` columns before (prompts of rows
         that joined are longer), `right` after; their cached keys padded with invisible ones. The
         block's calls take the batch's span (engine/cache.py: packed calls) even when nothing widens."""
-        if not left and not right:
-            if batch.span != run.win.span:
-                run.win = dataclasses.replace(run.win, span=batch.span)
-                if run.cache is not None:
-                    run.cache = self.cache_mode.widen(run.cache, run.win, run.x.shape[1], 0, rows=batch.x.shape[0])
+        if left or right:
+            run.x = pad_columns(run.x, left, right, batch.pad_id)
+            run.valid, run.gen_start = batch.valid[run.seqs], batch.gen_start[run.seqs]     # columns moved by `left`
+            run.stop_at = torch.where(run.stop_at >= 0, run.stop_at + left, run.stop_at)
+            # positions stay those the block's cached keys were computed at (RoPE is relative; the new
+            # columns are padding): the next block's first call takes the batch's, and a fresh cache
+            run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
+        elif batch.span == run.win.span:
             return
-        N = run.x.shape[1]
-        run.x = pad_columns(run.x, left, right, batch.pad_id)
-        run.valid, run.gen_start = batch.valid[run.seqs], batch.gen_start[run.seqs]     # columns moved by `left`
-        run.stop_at = torch.where(run.stop_at >= 0, run.stop_at + left, run.stop_at)
-        # positions stay those the block's cached keys were computed at (RoPE is relative; the new
-        # columns are padding): the next block's first call takes the batch's, and a fresh cache
-        run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
         run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left,
                                       span=batch.span)
         if run.cache is not None:     # every mode caches from column 0 on: `left` invisible keys first
-            run.cache = self.cache_mode.widen(run.cache, run.win, N + left + right, left, rows=batch.x.shape[0])
+            run.cache = self.cache_mode.widen(run.cache, run.win, run.x.shape[1], left, rows=batch.x.shape[0])
 
     def leave(self, state: BatchState, rows: list[int]) -> None:
         """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep

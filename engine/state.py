@@ -173,8 +173,6 @@ class Batch:
     def trimmed(self, position_ids) -> "Batch":
         """Without the columns before every row's first valid one and after every row's last
         generated one (a running batch does not grow without bound)."""
-        if self.x.shape[0] == 0:
-            return self
         starts = self.valid.to(torch.uint8).argmax(1)          # each row's first valid column
         ends = self.gen_start + self.gen_len
         first, last, span = torch.stack((starts.min(), ends.max(), (ends - starts).max())).tolist()   # one read
