@@ -25,7 +25,7 @@ from .loop import Decoder, generate
 from .methods import METHODS, Method, register, unregister
 from .options import ACCEPTANCE, OPTIONS, Option
 from .policies import Confidence, Greedy, LocalLeap, Policy, PolicyState, TopK
-from .results import SequenceResult, StreamUpdate, aggregate
+from .results import Final, SequenceResult, StepOutput, StreamUpdate, aggregate
 from .text import TextModel, generate_text, load
 
 
@@ -46,5 +46,5 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 __all__ = ["ACCEPTANCE", "CACHE_MODES", "METHODS", "OPTIONS", "Confidence", "DecodeConfig", "Decoder", "DecodingError", "DraftGraph",
-           "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "PolicyState", "SequenceResult",
-           "StreamUpdate", "TextModel", "TopK", "aggregate", "generate", "generate_text", "load", "register", "unregister"]
+           "Final", "Greedy", "InputError", "LocalLeap", "Method", "Option", "Policy", "PolicyState", "SequenceResult",
+           "StepOutput", "StreamUpdate", "TextModel", "TopK", "aggregate", "generate", "generate_text", "load", "register", "unregister"]

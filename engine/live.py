@@ -30,7 +30,7 @@ import torch
 
 from .config import check_prompts
 from .errors import InputError
-from .results import SequenceResult, collect_results, final_pieces
+from .results import SequenceResult, collect_results
 from .state import Batch
 from .uniform import check_batchable
 
@@ -57,7 +57,6 @@ class LiveBatch:
         self.dec, self.max_rows = decoder, max_rows
         self.waiting: list[tuple[int, list[int], int, int | None]] = []   # (handle, prompt ids, gen length, seed)
         self.handles: list[int] = []                             # the batch's rows, in order
-        self.sent: dict[int, int] = {}                           # tokens of a handle already handed out
         self.joined: dict[int, float] = {}
         self.cancelled: set[int] = set()
         self.answered: set[int] = set()                          # reported done before their row left
@@ -111,23 +110,20 @@ class LiveBatch:
                     update, self._ended = self._ended, LiveUpdate()
                     return update
             elif self.waiting and self._room() > 0 and self.dec.joins_inside_a_block:
-                self._admit(time.perf_counter())                # joins the open block: their first call
+                out = self._admit(time.perf_counter())          # joins the open block: their first call
                 break
-            if self.dec.step(self.state):
+            if out := self.dec.step(self.state):
                 break
-        batch, run = self.state.batch, self.state.run
         update, self._ended = self._ended, LiveUpdate()
         update.rows = len(self.handles)
-        sent = [self.sent[h] for h in self.handles]
-        pieces, probs, tops, ended = final_pieces(batch, run, self.dec.mc.mask_token_id, sent)
-        for h, n, piece, prob, top in zip(self.handles, sent, pieces, probs, tops):
+        final = out.final()              # per row, in the batch's order (the state counts what was handed out)
+        for h, piece, prob, top in zip(self.handles, final.pieces, final.probs, final.tops):
             if piece and h not in self.cancelled:
                 update.pieces[h], update.probs[h], update.tops[h] = piece, prob, top
-                self.sent[h] = n
-        over = [b for b, (h, e) in enumerate(zip(self.handles, ended))
+        over = [b for b, (h, e) in enumerate(zip(self.handles, final.ended))
                 if e and h not in self.answered and h not in self.cancelled]
         if over:
-            self._answer(batch, run, over, update)
+            self._answer(self.state.batch, self.state.run, over, update)
         return update
 
     def _answer(self, batch: Batch, run, rows: list[int], update: LiveUpdate) -> None:
@@ -142,19 +138,19 @@ class LiveBatch:
         now = time.perf_counter()
         secs = [now - self.joined[self.handles[b]] for b in rows]
         for b, res in zip(rows, collect_results(done, self.dec.dc.block_length, secs)):
-            h = self.handles[b]
-            self._report(h, res, update)
-            self.answered.add(h)
+            self._report(b, res, update)
+            self.answered.add(self.handles[b])
 
-    def _report(self, h: int, res: SequenceResult, update: LiveUpdate) -> None:
-        """`res` as handle h's result in `update`, with the tokens not sent yet as its last piece."""
-        rest = res.token_ids[self.sent[h]:]
+    def _report(self, b: int, res: SequenceResult, update: LiveUpdate) -> None:
+        """`res` as batch row b's result in `update`, with the tokens not handed out yet as its last piece."""
+        h, sent = self.handles[b], self.state.sent
+        rest = res.token_ids[sent[b]:]
         if rest:
             update.pieces[h] = update.pieces.get(h, []) + rest
-            update.probs[h] = update.probs.get(h, []) + res.commit_prob[self.sent[h]:]
+            update.probs[h] = update.probs.get(h, []) + res.commit_prob[sent[b]:]
             if res.commit_top is not None:
-                update.tops[h] = (update.tops.get(h) or []) + res.commit_top[self.sent[h]:]
-        self.sent[h] = len(res.token_ids)
+                update.tops[h] = (update.tops.get(h) or []) + res.commit_top[sent[b]:]
+        sent[b] = len(res.token_ids)
         update.done[h] = res
 
     # ------------------------------------------------------------------ between two blocks
@@ -171,19 +167,22 @@ class LiveBatch:
     def _room(self) -> int:
         return len(self.waiting) if self.max_rows is None else self.max_rows - len(self.handles)
 
-    def _admit(self, now: float) -> None:
+    def _admit(self, now: float):
         """Waiting sequences join, as many as there is room for: at a block boundary, or into the
-        open block (`Decoder.join` makes their first call at once)."""
+        open block (`Decoder.join` makes their first call at once). Returns `Decoder.join`'s
+        StepOutput (None when they start the batch)."""
         joining, self.waiting = self.waiting[:self._room()], self.waiting[self._room():]
         prompts, lengths, seeds = [w[1] for w in joining], [w[2] for w in joining], [w[3] for w in joining]
         seeds = None if all(s is None for s in seeds) else seeds
+        out = None
         if self.state is None:
             self.state = self.dec.start(prompts, lengths, live=True, seeds=seeds)
         else:
-            self.dec.join(self.state, prompts, lengths, seeds=seeds)
+            out = self.dec.join(self.state, prompts, lengths, seeds=seeds)
         for h, *_ in joining:
             self.handles.append(h)
-            self.sent[h], self.joined[h] = 0, now
+            self.joined[h] = now
+        return out
 
     def _leave(self, now: float) -> None:
         """Collect the rows that are done (a stop token, or no block left) and drop those and the
@@ -199,10 +198,10 @@ class LiveBatch:
         if finished:          # rows that ended in no call of theirs (e.g. a block ETE had filled)
             secs = [now - self.joined[self.handles[b]] for b in finished]
             for b, res in zip(finished, self.dec.results(self.state, finished, secs)):
-                self._report(self.handles[b], res, self._ended)
+                self._report(b, res, self._ended)
         for b in out:
             h = self.handles[b]
-            self.sent.pop(h, None), self.joined.pop(h, None)
+            self.joined.pop(h, None)
             self.cancelled.discard(h), self.answered.discard(h)
         self.handles = [h for b, h in enumerate(self.handles) if b not in set(out)]
         self.dec.leave(self.state, out)

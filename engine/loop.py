@@ -37,7 +37,7 @@ from .graph import make_plan
 from .graphs import graphed
 from .progress import apply_stopping, generated, guard_progress, raise_failure, settle_edits
 from .policies import policy_key, policy_select, rank_of
-from .results import SequenceResult, StreamUpdate, aggregate, collect_results, final_pieces
+from .results import SequenceResult, StepOutput, StreamUpdate, aggregate, collect_results
 from .sampling import Sampler
 from .state import Batch, BatchState, BlockRun, join, new_batch, pad_columns, state_of
 from .uniform import UniformNoise, for_model
@@ -297,15 +297,23 @@ class Decoder:
             if gen_lengths else self.check_prompts(prompts)
         if seeds is not None and len(seeds) != len(prompts):
             raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        return BatchState(self._new_batch(checked, gen_lengths, seeds), live=live, t0=time.perf_counter())
+        return BatchState(self._new_batch(checked, gen_lengths, seeds), live=live, t0=time.perf_counter(),
+                          sent=[0] * len(checked))
 
-    def step(self, state: BatchState) -> bool:
+    def step(self, state: BatchState) -> StepOutput:
         """Advance `state` to its next model call and make it: the first call of the block at the
         batch's cursor, or one step of the open block (stage 1 on the latest output, stage 2, the one
-        verification call, stage 3). True if a call was made; False at a block boundary (the open
-        block had no step left and is closed, or a live batch has no row in the block at its cursor:
-        rows may join and leave now) and when nothing is left (`state.done`, never set on a live
-        batch: its caller decides when it ends)."""
+        verification call, stage 3). Returns a `StepOutput`: `called` (its truth value) if a call
+        was made; not at a block boundary (the open block had no step left and is closed, or a live
+        batch has no row in the block at its cursor: rows may join and leave now) and when nothing is
+        left (`done`, never set on a live batch: its caller decides when it ends); `final()`, what
+        became final (read back only when asked)."""
+        called = self._advance(state)
+        state.version += 1
+        return StepOutput(state, called, self.mc.mask_token_id)
+
+    def _advance(self, state: BatchState) -> bool:
+        """`step`'s work on the state: True if a model call was made."""
         batch, L = state.batch, self.dc.block_length
         run = state.run
         if run is None:
@@ -349,17 +357,19 @@ class Decoder:
         return self.budget is None and not self.dc.cross_block and self.uniform is None and \
             getattr(self.model, "tp", None) is None
 
-    def join(self, state: BatchState, prompts, gen_lengths: list[int], seeds: list | None = None) -> None:
+    def join(self, state: BatchState, prompts, gen_lengths: list[int], seeds: list | None = None) -> StepOutput:
         """Rows join `state`: each new row's first block opens at the batch's cursor, where the
         others' current (or next) block is (`engine.state.join` pads whichever side is shorter).
         At a block boundary that is all; inside an open block (`joins_inside_a_block`) the new rows
         take their block's first call now — one model call of the new rows — and then step with
-        the others."""
+        the others. Returns a `StepOutput` as `step` does (`called`: that first call was made)."""
         new = self.start(prompts, gen_lengths, seeds=seeds).batch
         pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
+        state.version += 1
+        state.sent = (state.sent if state.batch is not None else []) + [0] * new.x.shape[0]
         if state.batch is None or state.run is None:
             state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos)
-            return
+            return StepOutput(state, False, self.mc.mask_token_id)
         if not self.joins_inside_a_block:
             raise InputError("rows join this running batch at a block boundary (state.run is open)")
         old, run = state.batch, state.run
@@ -373,6 +383,7 @@ class Decoder:
         if fresh is not None:
             fresh.seqs = rows[fresh.seqs]
             state.run = run.joined(fresh)
+        return StepOutput(state, fresh is not None, self.mc.mask_token_id)
 
     def _widen(self, run: BlockRun, batch: Batch, left: int, right: int) -> None:
         """The open block's rows on `batch`'s wider canvas: `left` columns before (prompts of rows
@@ -397,6 +408,7 @@ class Decoder:
         their order, the canvas is trimmed; no row left: `state.batch` is None); in an open block
         they take no further call, in this block or any later one (a caller may drop them at the next
         boundary; their results stay what was settled)."""
+        state.version += 1
         if state.run is not None:
             if not rows:
                 return
@@ -407,6 +419,7 @@ class Decoder:
             b.retired[gone] = True                       # and no later block's calls
             return
         keep = [b for b in range(state.batch.x.shape[0]) if b not in set(rows)]     # (none left: trimmed only)
+        state.sent = [state.sent[b] for b in keep]
         if not keep:
             state.batch = None
             return
@@ -427,13 +440,12 @@ class Decoder:
         `tops` to its `commit_top`).
         Reads back [B] values per call. `seeds`: as for `start`."""
         state = self.start(prompts, seeds=seeds)
-        sent = [0] * state.batch.x.shape[0]
         with torch.no_grad():
             while not state.done:
-                if self.step(state):
-                    pieces, probs, tops, _ = final_pieces(state.batch, state.run, self.mc.mask_token_id, sent)
-                    yield StreamUpdate(pieces, probs=probs, tops=tops)
-        results = self.results(state)
+                if out := self.step(state):
+                    f = out.final()
+                    yield StreamUpdate(f.pieces, probs=f.probs, tops=f.tops)
+        results, sent = self.results(state), state.sent
         pieces = [r.token_ids[n:] for r, n in zip(results, sent)]
         yield StreamUpdate(pieces, results, [r.commit_prob[n:] for r, n in zip(results, sent)],
                            [None if r.commit_top is None else r.commit_top[n:] for r, n in zip(results, sent)])

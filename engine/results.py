@@ -50,6 +50,52 @@ class StreamUpdate:
     tops: list[list | None] | None = None            # per sequence: their commit_top (--top-logprobs), else None
 
 
+@dataclass
+class Final:
+    """Per batch row (in the batch's order): the tokens that became final and were not handed out
+    before, their commit_prob and commit_top (None without --top-logprobs), and whether the row's
+    sequence is over (`final_pieces`)."""
+
+    pieces: list[list[int]]
+    probs: list[list[float]]
+    tops: list[list | None]
+    ended: list[bool]
+
+
+class StepOutput:
+    """What one `Decoder.step` did to its `BatchState`.
+
+    `called`: it made a model call (also the output's truth value); `boundary`: the state is at a
+    block boundary now (rows may join and leave); `done`: nothing is left to decode. `final()`: per
+    batch row, what became final and was not handed out by an earlier `final()` of this state (the
+    state counts each row's tokens handed out, `BatchState.sent`), so asked after every step it is
+    what that step made final. It is read back from the device only when asked (streaming and
+    continuous batching; `generate` never asks: no host read is added to its steps), and only until
+    the state changes again (the next step, a join or a leave): later it raises RuntimeError."""
+
+    __slots__ = ("called", "boundary", "done", "_state", "_mask_id", "_version", "_final")
+
+    def __init__(self, state, called: bool, mask_id: int | None):
+        self.called, self.boundary, self.done = called, state.run is None, state.done
+        self._state, self._mask_id, self._version, self._final = state, mask_id, state.version, None
+
+    def __bool__(self) -> bool:
+        return self.called
+
+    def __repr__(self) -> str:
+        return f"StepOutput(called={self.called}, boundary={self.boundary}, done={self.done})"
+
+    def final(self) -> Final:
+        st = self._state
+        if self._final is None:
+            if st.version != self._version:
+                raise RuntimeError("StepOutput.final(): the state changed since this step (ask before the next "
+                                   "step, join or leave)")
+            self._final = Final([], [], [], []) if st.batch is None else \
+                Final(*final_pieces(st.batch, st.run, self._mask_id, st.sent))
+        return self._final
+
+
 def aggregate(results: list[SequenceResult]) -> dict:
     """Statistics over many sequences: totals, TPF = all tokens / all calls, rows per call, the
     summed accepted-depth histogram and the share of tokens from accepted drafts."""
@@ -109,10 +155,13 @@ def _tops(t: torch.Tensor) -> list[list[tuple[int, float]]]:
 
 
 def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x [B, N] with the open block's rows written in, final length [B]): per row, the count of
-    its generated tokens that are final now, up to its first masked position or its stop token."""
-    x, stop_at = batch.x.clone(), batch.stop_at.clone()
-    x[run.seqs], stop_at[run.seqs] = run.x, run.stop_at    # the open block's rows
+    """(x [B, N] with the open block's rows written in (`run`; None at a block boundary), final
+    length [B]): per row, the count of its generated tokens that are final now, up to its first
+    masked position or its stop token."""
+    x, stop_at = batch.x, batch.stop_at
+    if run is not None:
+        x, stop_at = x.clone(), stop_at.clone()
+        x[run.seqs], stop_at[run.seqs] = run.x, run.stop_at    # the open block's rows
     N = x.shape[1]
     col = torch.arange(N, device=x.device)
     gen = (col >= batch.gen_start[:, None]) & (col < (batch.gen_start + batch.gen_len)[:, None])
@@ -121,7 +170,7 @@ def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]
     kept = batch.gen_len if batch.out_len is None else batch.out_len
     end = torch.minimum(first_masked, batch.gen_start + kept)
     end = torch.where(stop_at >= 0, torch.minimum(end, stop_at + 1), end)
-    if run.post is not None or run.noise is not None:   # token editing, uniform noise: the open block's tokens
+    if run is not None and (run.post is not None or run.noise is not None):   # token editing, uniform noise: the open block's tokens
         open_rows = torch.zeros_like(stop_at, dtype=torch.bool)           # may change until the block closes
         open_rows[run.seqs] = run.pending if run.noise is None else True
         end = torch.where(open_rows, torch.minimum(end, batch.gen_start.clamp_min(run.win.lo)), end)
@@ -130,7 +179,10 @@ def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def ended_rows(batch, run) -> torch.Tensor:
     """[B] bool: the rows whose sequence is over with the latest call: in the open block, done with
-    it (not pending, not failed), and stopped at a stop token or in their last block."""
+    it (not pending, not failed), and stopped at a stop token or in their last block. At a block
+    boundary (`run` None): the rows stopped or with no block left."""
+    if run is None:
+        return (batch.stop_at >= 0) | (batch.gen_start + batch.gen_len <= batch.cursor)
     ended = torch.zeros_like(batch.stop_at, dtype=torch.bool)
     last = (batch.gen_start + batch.gen_len)[run.seqs] <= run.win.lo + run.win.block_length
     ended[run.seqs] = ~run.pending & (run.failed == 0) & ((run.stop_at >= 0) | last)
@@ -141,17 +193,19 @@ def final_pieces(batch, run, mask_id: int, sent: list[int]):
     """Tokens of every sequence that are final now and were not sent yet (updates `sent`): the
     generation up to its first masked position, or up to its stop token; and their commit_prob
     and commit_top (None without --top-logprobs; a final token's are final too). Returns (pieces,
-    probs, tops, ended): a list each, `ended` the rows whose sequence is over (`ended_rows`). Reads
+    probs, tops, ended): a list each, `ended` the rows whose sequence is over (`ended_rows`); `run`:
+    the open block, None at a block boundary. Reads
     back [B] values and the new tokens (streaming and continuous batching only; generate never
     calls this)."""
     x, final = final_lengths(batch, run, mask_id)
-    span = slice(run.win.lo, run.win.lo + run.commits.prob.shape[1])
-    prob = batch.commits.prob.clone()
-    prob[run.seqs, span] = run.commits.prob                                # the open block's rows
-    top = None
-    if batch.commits.top is not None:
-        top = batch.commits.top.clone()
-        top[run.seqs, span] = run.commits.top
+    prob, top = batch.commits.prob, batch.commits.top
+    if run is not None:                                                    # the open block's rows
+        span = slice(run.win.lo, run.win.lo + run.commits.prob.shape[1])
+        prob = prob.clone()
+        prob[run.seqs, span] = run.commits.prob
+        if top is not None:
+            top = top.clone()
+            top[run.seqs, span] = run.commits.top
     final, start, ended = torch.stack((final, batch.gen_start, ended_rows(batch, run).long())).tolist()  # one read
     pieces, probs, tops = [], [], []
     for b, n in enumerate(final):

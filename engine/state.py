@@ -282,6 +282,10 @@ class BatchState:
                                  # boundary, even one with no row to decode, and never ends the batch itself
     done: bool = False           # nothing left to decode (set by `step` when not live)
     t0: float = 0.0              # when the batch started (perf_counter), for results' seconds
+    sent: list[int] = dataclasses.field(default_factory=list)   # per batch row: generated tokens handed
+                                 # out by `StepOutput.final` (rows join and leave with theirs)
+    version: int = 0             # counts the changes (steps, joins, leaves): a StepOutput's final()
+                                 # is read only while its state is the one its step left
 
     @property
     def at_boundary(self) -> bool:

@@ -150,3 +150,53 @@ def test_joining_inside_a_block_on_shifted_and_context_causal_models(family):
             dec.step(state)
         alone = [dec.generate([p])[0].token_ids for p in (PROMPTS[1], PROMPTS[0])]
         assert [r.token_ids for r in dec.results(state)] == alone, cache
+
+
+@pytest.mark.parametrize("options", [dict(method="confidence"), dict(method="psd", depth=3, cache="dual"),
+                                     dict(method="ete", cache="prefix", top_logprobs=2)], ids=str)
+def test_step_output_hands_out_what_became_final_once(model, options):
+    """`StepOutput.final()` after every step: per row, pieces that concatenate to its token_ids
+    (probs to its commit_prob), each token handed out once and only once final (every piece is
+    the generation's next tokens, never revised); a step that made no call hands out nothing new
+    unless a block closed."""
+    dec = Decoder(model, DecodeConfig(gen_length=24, block_length=8, **options))
+    state = dec.start(PROMPTS)
+    got = [[] for _ in PROMPTS]
+    probs = [[] for _ in PROMPTS]
+    tops = [[] for _ in PROMPTS]
+    while not state.done:
+        out = dec.step(state)
+        assert bool(out) == out.called and out.boundary == state.at_boundary and out.done == state.done
+        f = out.final()
+        assert out.final() is f and len(f.pieces) == len(PROMPTS) == len(f.ended)
+        for b, piece in enumerate(f.pieces):
+            got[b] += piece
+            probs[b] += f.probs[b]
+            tops[b] += f.tops[b] or []
+        assert state.sent == [len(g) for g in got]
+    results = dec.results(state)
+    for b, r in enumerate(results):
+        assert got[b] == r.token_ids[:len(got[b])]               # what was handed out is final
+        assert probs[b] == r.commit_prob[:len(got[b])]
+        if options.get("top_logprobs"):
+            assert tops[b] == r.commit_top[:len(got[b])]
+    assert any(len(g) == len(r.token_ids) for g, r in zip(got, results))
+
+
+def test_step_output_is_read_only_before_the_state_changes(model):
+    dec = Decoder(model, DecodeConfig(method="confidence", gen_length=16, block_length=8))
+    state = dec.start(PROMPTS[:1], [16], live=True)
+    first = dec.step(state)
+    assert first.called and not first.boundary
+    second = dec.step(state)
+    with pytest.raises(RuntimeError, match="state changed"):
+        first.final()                                   # a later step: stale
+    joined = dec.join(state, PROMPTS[1:2], [16])        # inside the open block: the new row's first call
+    with pytest.raises(RuntimeError):
+        second.final()                                   # a join changed the rows
+    assert joined.called and len(joined.final().pieces) == 2 and joined.final().pieces[1] == []
+    while dec.step(state):
+        pass
+    assert state.at_boundary and len(state.sent) == 2
+    dec.leave(state, [0])
+    assert len(state.sent) == 1                          # the row's count left with it
