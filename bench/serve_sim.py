@@ -4,8 +4,11 @@
 
 The same closed loop as `bench.serve_load`, with the schedulers' decoding and none of the server:
 `--clients` requests are in flight at once and each one that ends is replaced by the next (prompt i
-of the held-out math questions asks for the i-th of `--max-tokens`, cyclically). *continuous*: one
-`engine.live.LiveBatch` (at most `--max-batch` rows) that requests join between two model calls;
+of the held-out math questions asks for the i-th of `--max-tokens`, cyclically). *continuous*: as
+the server's default, a running `engine.live.LiveBatch` per generation length that requests join
+between two model calls, the batches taking turns one call each, at most `--max-batch` rows in all;
+*mixed* (`--modes ... mixed`): one `LiveBatch` for every length (what the server did before
+2026-11-27: each call computes its longest row's columns for every row);
 *static*: as `--batching static`, the first waiting request and every waiting one of its length (up
 to `--max-batch`) decoded together from start to end (`Decoder.stream`); *serial* (`--modes ...
 serial`): one request at a time, which computes each request's own columns only (no padding at
@@ -19,6 +22,7 @@ whether every request's tokens are equal across modes. The last line is one JSON
 """
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import sys
@@ -33,7 +37,7 @@ from ._common import versions
 from .eval import parse_method
 from .serve_load import pct, prompts
 
-MODES = ("continuous", "static", "serial")
+MODES = ("continuous", "static", "serial", "mixed")
 
 
 class Meter:
@@ -64,27 +68,48 @@ class Load:
         return self.ids[i % len(self.ids)], -(-mt // self.block) * self.block, mt
 
 
-def run_continuous(dec: Decoder, load: Load, clients: int, max_batch: int) -> dict:
-    live, t0, out = LiveBatch(dec, max_rows=max_batch), time.perf_counter(), {}
-    info, nxt = {}, 0
+def run_continuous(dec_for, load: Load, clients: int, max_batch: int, mixed: bool = False) -> dict:
+    """As the server's continuous scheduler: a running `LiveBatch` per generation length (one for all
+    with `mixed`), taking turns one model call each; at most `max_batch` rows in all of them, a
+    request beyond that waiting (oldest first) for a row."""
+    lives: dict[int, LiveBatch] = {}
+    turn: collections.deque = collections.deque()
+    queue: collections.deque = collections.deque()         # (request index, submitted at)
+    info, out, nxt = {}, {}, 0
 
-    def submit():
-        nonlocal nxt
-        p, g, mt = load.request(nxt)
-        info[live.add(p, g)] = [nxt, mt, time.perf_counter(), None]
-        nxt += 1
+    def admit():
+        while queue and sum(lv.running + len(lv.waiting) for lv in lives.values()) < max_batch:
+            i, t = queue.popleft()
+            p, g, mt = load.request(i)
+            key = 0 if mixed else g
+            if key not in lives:
+                lives[key] = LiveBatch(dec_for(None if mixed else g), max_rows=max_batch)
+                turn.append(key)
+            info[key, lives[key].add(p, g)] = [i, mt, t, None]
 
-    for _ in range(min(clients, load.total)):
-        submit()
-    while (u := live.step()) is not None:
+    for nxt in range(min(clients, load.total)):
+        queue.append((nxt, time.perf_counter()))
+    nxt = min(clients, load.total)
+    admit()
+    while turn:
+        key = turn[0]
+        turn.rotate(-1)
+        u = lives[key].step()
+        if u is None:                                      # idle: its batch goes
+            del lives[key]
+            turn.remove(key)
+            admit()
+            continue
         now = time.perf_counter()
         for h in u.pieces:
-            info[h][3] = now if info[h][3] is None else info[h][3]
+            info[key, h][3] = now if info[key, h][3] is None else info[key, h][3]
         for h, res in u.done.items():
-            i, mt, t, first = info.pop(h)
+            i, mt, t, first = info.pop((key, h))
             out[i] = (res.token_ids[:mt], now - t, (first or now) - t)
             if nxt < load.total:
-                submit()
+                queue.append((nxt, time.perf_counter()))
+                nxt += 1
+        admit()
     return out
 
 
@@ -114,11 +139,12 @@ def measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: i
     max_batch = 1 if mode == "serial" else max_batch
     meter.calls = meter.columns = 0
     t0, c0 = time.perf_counter(), time.process_time()
-    if mode == "continuous":
-        out = run_continuous(Decoder(model, DecodeConfig(**config)), load, clients, max_batch)
+    decs = {}
+    dec_for = lambda g: decs.setdefault(g, Decoder(model, DecodeConfig(**config) if g is None else  # noqa: E731
+                                                   DecodeConfig(**{**config, "gen_length": g})))
+    if mode in ("continuous", "mixed"):
+        out = run_continuous(dec_for, load, clients, max_batch, mixed=mode == "mixed")
     else:
-        decs = {}
-        dec_for = lambda g: decs.setdefault(g, Decoder(model, DecodeConfig(**{**config, "gen_length": g})))  # noqa: E731
         out = run_static(dec_for, load, clients, max_batch)
     return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "calls": meter.calls,
             "columns": meter.columns, "out": out}

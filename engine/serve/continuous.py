@@ -1,5 +1,5 @@
-"""Continuous batching (the default): jobs with equal decoding options share a running
-`engine.live.LiveBatch` that they join between two of its model calls and leave when they are done,
+"""Continuous batching (the default): jobs with equal decoding options (their generation length
+included) share a running `engine.live.LiveBatch` that they join between two of its model calls and leave when they are done,
 so a short request sent after a long one can finish first, and an answer comes when its own
 sequence ends. Batches of different options take turns, one model call each; --max-batch bounds
 the rows of all of them together, a free row going to the fair next job (jobs.py)."""
@@ -15,9 +15,11 @@ from .protocol import ApiError
 
 
 def live_key(dc: DecodeConfig) -> tuple:
-    """Jobs that may share a running batch: equal options but the generation length (a sequence
-    keeps its own), unless a step count ties the schedule to it."""
-    return tuple((k, v) for k, v in config_key(dc) if k != "gen_length" or dc.steps is not None)
+    """Jobs that share a running batch: equal options, the generation length included. A
+    `LiveBatch` takes rows of any lengths, but a whole-canvas call is `rows × span` columns, `span`
+    its longest row's: a 32-token request in a batch with a 64-token one would compute the longer
+    one's columns in each of its calls (docs/serve.md, "One running batch per length")."""
+    return config_key(dc)
 
 
 class _Live:
