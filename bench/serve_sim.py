@@ -5,10 +5,10 @@
 The same closed loop as `bench.serve_load`, with the schedulers' decoding and none of the server:
 `--clients` requests are in flight at once and each one that ends is replaced by the next (prompt i
 of the held-out math questions asks for the i-th of `--max-tokens`, cyclically). *continuous*: as
-the server's default, a running `engine.live.LiveBatch` per generation length that requests join
-between two model calls, the batches taking turns one call each, at most `--max-batch` rows in all;
-*mixed* (`--modes ... mixed`): one `LiveBatch` for every length (what the server did before
-2026-11-27: each call computes its longest row's columns for every row);
+the server's default, one `engine.live.LiveBatch` (at most `--max-batch` rows) that requests of every
+length join between two model calls; *by-length* (`--modes ... by-length`): as the server with
+`--batch-by-length`, a `LiveBatch` per generation length, taking turns one call each, at most
+`--max-batch` rows in all;
 *static*: as `--batching static`, the first waiting request and every waiting one of its length (up
 to `--max-batch`) decoded together from start to end (`Decoder.stream`); *serial* (`--modes ...
 serial`): one request at a time, which computes each request's own columns only (no padding at
@@ -37,7 +37,7 @@ from ._common import versions
 from .eval import parse_method
 from .serve_load import pct, prompts
 
-MODES = ("continuous", "static", "serial", "mixed")
+MODES = ("continuous", "static", "serial", "by-length")
 
 
 class Meter:
@@ -68,10 +68,10 @@ class Load:
         return self.ids[i % len(self.ids)], -(-mt // self.block) * self.block, mt
 
 
-def run_continuous(dec_for, load: Load, clients: int, max_batch: int, mixed: bool = False) -> dict:
-    """As the server's continuous scheduler: a running `LiveBatch` per generation length (one for all
-    with `mixed`), taking turns one model call each; at most `max_batch` rows in all of them, a
-    request beyond that waiting (oldest first) for a row."""
+def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length: bool = False) -> dict:
+    """As the server's continuous scheduler: one running `LiveBatch` for every length (with
+    `by_length`, --batch-by-length: one per generation length, taking turns one model call each); at
+    most `max_batch` rows in all of them, a request beyond that waiting (oldest first) for a row."""
     lives: dict[int, LiveBatch] = {}
     turn: collections.deque = collections.deque()
     queue: collections.deque = collections.deque()         # (request index, submitted at)
@@ -81,9 +81,9 @@ def run_continuous(dec_for, load: Load, clients: int, max_batch: int, mixed: boo
         while queue and sum(lv.running + len(lv.waiting) for lv in lives.values()) < max_batch:
             i, t = queue.popleft()
             p, g, mt = load.request(i)
-            key = 0 if mixed else g
+            key = g if by_length else 0
             if key not in lives:
-                lives[key] = LiveBatch(dec_for(None if mixed else g), max_rows=max_batch)
+                lives[key] = LiveBatch(dec_for(g if by_length else None), max_rows=max_batch)
                 turn.append(key)
             info[key, lives[key].add(p, g)] = [i, mt, t, None]
 
@@ -142,8 +142,8 @@ def measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: i
     decs = {}
     dec_for = lambda g: decs.setdefault(g, Decoder(model, DecodeConfig(**config) if g is None else  # noqa: E731
                                                    DecodeConfig(**{**config, "gen_length": g})))
-    if mode in ("continuous", "mixed"):
-        out = run_continuous(dec_for, load, clients, max_batch, mixed=mode == "mixed")
+    if mode in ("continuous", "by-length"):
+        out = run_continuous(dec_for, load, clients, max_batch, by_length=mode == "by-length")
     else:
         out = run_static(dec_for, load, clients, max_batch)
     return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "calls": meter.calls,

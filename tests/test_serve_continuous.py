@@ -27,15 +27,16 @@ SHORT = dict(model=NAME, prompt=PROMPTS[3], max_tokens=8, temperature=50.0, seed
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve_continuous")
-    live = ServerProcess(tmp, "--max-batch", "8")
-    static = ServerProcess(tmp, "--max-batch", "8", "--batching", "static", "--batch-wait-ms", "0")
+    procs = {"continuous": ServerProcess(tmp, "--max-batch", "8"),
+             "static": ServerProcess(tmp, "--max-batch", "8", "--batching", "static", "--batch-wait-ms", "0"),
+             "by_length": ServerProcess(tmp, "--max-batch", "8", "--batch-by-length")}
     try:
-        live.wait_ready()
-        static.wait_ready()
-        yield {"continuous": live, "static": static}
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
     finally:
-        live.stop()
-        static.stop()
+        for p in procs.values():
+            p.stop()
 
 
 def _race(server):
@@ -61,10 +62,20 @@ def test_a_late_short_request_is_answered_before_an_earlier_long_one(servers):
     server = servers["continuous"]
     order, answers = _race(server)
     assert order == ["short", "long"]
-    assert answers["short"].usage.batch_size == 1            # its length's own running batch, taking turns with
-                                                             # the long one's (live_key: one batch per length)
+    assert answers["short"].usage.batch_size == 2            # it decoded beside the long one
     assert answers["long"].usage.completion_tokens > 40      # long enough that the order means something
     assert answers["short"].usage.queue_seconds < answers["long"].usage.decode_seconds / 2
+
+
+def test_batch_by_length_gives_each_length_its_own_running_batch(servers):
+    """--batch-by-length: the short request (another length) does not join the long one's batch
+    but gets its own, which takes turns with it, so it is still answered first, with the tokens it
+    gets without the flag (each sequence decodes as it would alone)."""
+    order, answers = _race(servers["by_length"])
+    assert order == ["short", "long"]
+    assert answers["short"].usage.batch_size == 1 and answers["long"].usage.batch_size == 1
+    _, mixed = _race(servers["continuous"])
+    assert [answers[k].choices[0].text for k in ("short", "long")] == [mixed[k].choices[0].text for k in ("short", "long")]
 
 
 def test_an_answer_without_text_reports_its_batch(servers):

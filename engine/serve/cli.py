@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continuous (default): requests join a running batch between two model calls and leave when "
                         "done; static (the default on a uniform-noise model, whose draws are the batch's): a batch "
                         "is decoded from start to end before the next one starts")
+    p.add_argument("--batch-by-length", action="store_true",
+                   help="continuous batching: one running batch per generation length (max_tokens rounded up "
+                        "to a block) instead of one for every length: each call computes its rows' own lengths, "
+                        "in smaller calls (docs/serve.md, 'One running batch per length'); static batches are of "
+                        "one length already")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     p.add_argument("--access-log", action="store_true", help="log every request")

@@ -1,5 +1,5 @@
-"""Continuous batching (the default): jobs with equal decoding options (their generation length
-included) share a running `engine.live.LiveBatch` that they join between two of its model calls and leave when they are done,
+"""Continuous batching (the default): jobs with equal decoding options (but their generation
+length, unless --batch-by-length) share a running `engine.live.LiveBatch` that they join between two of its model calls and leave when they are done,
 so a short request sent after a long one can finish first, and an answer comes when its own
 sequence ends. Batches of different options take turns, one model call each; --max-batch bounds
 the rows of all of them together, a free row going to the fair next job (jobs.py)."""
@@ -14,12 +14,13 @@ from .jobs import Job, Scheduler, config_key, shutting_down, stopped
 from .protocol import ApiError
 
 
-def live_key(dc: DecodeConfig) -> tuple:
-    """Jobs that share a running batch: equal options, the generation length included. A
-    `LiveBatch` takes rows of any lengths, but a whole-canvas call is `rows × span` columns, `span`
-    its longest row's: a 32-token request in a batch with a 64-token one would compute the longer
-    one's columns in each of its calls (docs/serve.md, "One running batch per length")."""
-    return config_key(dc)
+def live_key(dc: DecodeConfig, by_length: bool = False) -> tuple:
+    """Jobs that may share a running batch: equal options but the generation length (a sequence
+    keeps its own), unless a step count ties the schedule to it or `by_length` (--batch-by-length):
+    a whole-canvas call is `rows × span` columns, `span` its longest row's, so a 32-token request
+    beside a 64-token one computes the longer one's columns in each such call; one batch per
+    length computes fewer columns, in smaller calls (docs/serve.md, "One running batch per length")."""
+    return tuple((k, v) for k, v in config_key(dc) if k != "gen_length" or by_length or dc.steps is not None)
 
 
 class _Live:
@@ -30,7 +31,12 @@ class _Live:
 
 
 class ContinuousScheduler(Scheduler):
-    """Running batches (one per set of options) that jobs join between two calls and leave at block boundaries."""
+    """Running batches (one per set of options) that jobs join between two calls and leave at block
+    boundaries; `by_length`: one per generation length too (`live_key`)."""
+
+    def __init__(self, max_queue: int, max_batch: int, batch_wait: float = 0.0, by_length: bool = False):
+        super().__init__(max_queue, max_batch, batch_wait)
+        self.by_length = by_length
 
     def run(self, model) -> None:
         """Admit waiting jobs into the running batch of their options (up to max_batch rows each),
@@ -100,7 +106,7 @@ class ContinuousScheduler(Scheduler):
         from ..distributed import decoder_class
         from ..live import LiveBatch
 
-        key = live_key(job.spec.config)
+        key = live_key(job.spec.config, self.by_length)
         live = lives.get(key)
         if live is None:
             Decoder = decoder_class()                    # tensor parallel: rank 0 sends each model call to the others

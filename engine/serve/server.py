@@ -50,7 +50,7 @@ class Server:
         self.status, self.error = "loading", None
         self.max_choices = min(getattr(args, "max_choices", MAX_N), args.max_queue)
         self.scheduler = make_scheduler(batching, args.max_queue, args.max_batch,
-                                        args.batch_wait_ms / 1000)
+                                        args.batch_wait_ms / 1000, getattr(args, "batch_by_length", False))
         self.created = int(time.time())
         self.exit_code = 0
 

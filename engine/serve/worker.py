@@ -11,8 +11,12 @@ from .static import StaticScheduler
 SCHEDULERS = {"continuous": ContinuousScheduler, "static": StaticScheduler}
 
 
-def make_scheduler(batching: str, max_queue: int, max_batch: int, batch_wait: float = 0.0) -> Scheduler:
-    """The scheduler of `--batching` (continuous or static)."""
+def make_scheduler(batching: str, max_queue: int, max_batch: int, batch_wait: float = 0.0,
+                   by_length: bool = False) -> Scheduler:
+    """The scheduler of `--batching` (continuous or static; `by_length`: --batch-by-length, continuous
+    only: static batches are of one length already)."""
+    if batching == "continuous":
+        return ContinuousScheduler(max_queue, max_batch, batch_wait, by_length)
     return SCHEDULERS[batching](max_queue, max_batch, batch_wait)
 
 
