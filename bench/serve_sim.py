@@ -87,9 +87,8 @@ def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length:
                 turn.append(key)
             info[key, lives[key].add(p, g)] = [i, mt, t, None]
 
-    for nxt in range(min(clients, load.total)):
-        queue.append((nxt, time.perf_counter()))
     nxt = min(clients, load.total)
+    queue.extend((i, time.perf_counter()) for i in range(nxt))
     admit()
     while turn:
         key = turn[0]

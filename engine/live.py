@@ -30,7 +30,7 @@ import torch
 
 from .config import check_prompts
 from .errors import InputError
-from .results import SequenceResult, collect_results
+from .results import SequenceResult, collect_results, ended_rows
 from .state import Batch
 from .uniform import check_batchable
 
@@ -188,7 +188,7 @@ class LiveBatch:
         """Collect the rows that are done (a stop token, or no block left) and drop those and the
         cancelled ones."""
         batch = self.state.batch
-        done = ((batch.stop_at >= 0) | (batch.gen_start + batch.gen_len <= batch.cursor)).tolist()
+        done = ended_rows(batch, None).tolist()
         gone = self.cancelled | self.answered                    # leave without a result (now)
         out = [b for b, h in enumerate(self.handles) if done[b] or h in gone]
         if not out:

@@ -364,14 +364,14 @@ class Decoder:
         take their block's first call now — one model call of the new rows — and then step with
         the others. Returns a `StepOutput` as `step` does (`called`: that first call was made)."""
         new = self.start(prompts, gen_lengths, seeds=seeds).batch
+        if state.run is not None and not self.joins_inside_a_block:      # refused: the state is as it was
+            raise InputError("rows join this running batch at a block boundary (state.run is open)")
         pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
         state.version += 1
-        state.sent = (state.sent if state.batch is not None else []) + [0] * new.x.shape[0]
+        state.sent = state.sent + [0] * new.x.shape[0]
         if state.batch is None or state.run is None:
             state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos)
             return StepOutput(state, False, self.mc.mask_token_id)
-        if not self.joins_inside_a_block:
-            raise InputError("rows join this running batch at a block boundary (state.run is open)")
         old, run = state.batch, state.run
         merged = join(old, new, pos)                # no trimming while the block is open: its columns stay
         left = merged.cursor - old.cursor

@@ -135,6 +135,7 @@ def test_a_budget_decoder_joins_at_the_boundary(model):
     assert dec.step(state) and not dec.joins_inside_a_block
     with pytest.raises(InputError, match="block boundary"):
         dec.join(state, [PROMPTS[0]], [16])
+    assert state.sent == [0] and state.batch.x.shape[0] == 1      # a refused join leaves the state as it was
 
 
 @pytest.mark.parametrize("family", ["dream", "pangu"])
