@@ -107,8 +107,17 @@ class DraftBudget:
         self.size_calls[m] += calls
         if self._open is not None:
             rows, t0 = self._open
-            self.record(m, rows, (time.perf_counter() - t0) * 1e3, calls)
+            if t0 is None:                       # rows joined it (`joined`): counted, not timed
+                self.row_blocks += rows
+            else:
+                self.record(m, rows, (time.perf_counter() - t0) * 1e3, calls)
             self._open = None
+
+    def joined(self, rows: int) -> None:
+        """`rows` rows joined the open block (`Decoder.join`), with its plan: their first call is in
+        its time, so the block is not timed; its rows count."""
+        if self._open is not None:
+            self._open = (self._open[0] + rows, None)
 
     def record(self, m: int, rows: int, ms: float, calls) -> None:
         """A block of `rows` rows verified `m` nodes per call in `calls` verification calls (all rows,

@@ -132,8 +132,9 @@ class PrefixCache(NoCache):
         q_lo, q_hi = self.query_span(win, x.shape[1])
         q_idx = torch.arange(q_lo, q_hi, device=x.device)
         own = win.mask(self.mc, valid, q_idx, q_idx)
-        # past the window a row shorter than the canvas has padding its own keys must not see
-        bound = cache.for_rows(rows, own_masked=q_hi > win.hi)
+        # past its block a row shorter than the canvas may have padding its own keys must not see (a
+        # prefix call runs to the canvas end; ETE's window spans blocks a shorter row does not have)
+        bound = cache.for_rows(rows, own_masked=q_hi > win.lo + win.block_length)
         logits, _ = self.model(x[:, q_lo:q_hi], pos[:, q_lo:q_hi], own, cache=bound, out_start=0, out_len=win.width)
         return logits
 

@@ -67,7 +67,7 @@ class LiveBatch:
     # ------------------------------------------------------------------ the caller's side
     def add(self, prompt_ids, gen_length: int | None = None, seed: int | None = None) -> int:
         """Queue one sequence (token ids); it joins with the next step (at the next block boundary where
-        `Decoder.joins_inside_a_block` is False). `seed`: its own sampling seed (`--sampler row`;
+        `Decoder.can_join` says no). `seed`: its own sampling seed (`--sampler row`;
         default the config's seed + its row). Checked now: an InputError for a bad prompt or length."""
         dc = self.dec.dc
         g = dc.gen_length if gen_length is None else gen_length
@@ -109,9 +109,9 @@ class LiveBatch:
                     self.state = None
                     update, self._ended = self._ended, LiveUpdate()
                     return update
-            elif self.waiting and self._room() > 0 and self.dec.joins_inside_a_block:
-                out = self._admit(time.perf_counter())          # joins the open block: their first call
-                break
+            elif self.waiting and self._room() > 0 and self.dec.joins_inside_a_block and \
+                    (out := self._admit(time.perf_counter(), inside=True)) is not None:
+                break                                            # they joined the open block: their first call
             if out := self.dec.step(self.state):
                 break
         update, self._ended = self._ended, LiveUpdate()
@@ -167,11 +167,16 @@ class LiveBatch:
     def _room(self) -> int:
         return len(self.waiting) if self.max_rows is None else self.max_rows - len(self.handles)
 
-    def _admit(self, now: float):
-        """Waiting sequences join, as many as there is room for: at a block boundary, or into the
-        open block (`Decoder.join` makes their first call at once). Returns `Decoder.join`'s
-        StepOutput (None when they start the batch)."""
-        joining, self.waiting = self.waiting[:self._room()], self.waiting[self._room():]
+    def _admit(self, now: float, inside: bool = False):
+        """Waiting sequences join, as many as there is room for: at a block boundary, or `inside`
+        the open block (`Decoder.join` makes their first call at once), those that may
+        (`Decoder.can_join`; the others wait for the boundary). Returns `Decoder.join`'s StepOutput
+        (None when they start the batch or none may join now)."""
+        fits = [w for w in self.waiting if not inside or self.dec.can_join(self.state, [w[1]], [w[2]])]
+        joining = fits[:self._room()]
+        if not joining:
+            return None
+        self.waiting = [w for w in self.waiting if w not in joining]
         prompts, lengths, seeds = [w[1] for w in joining], [w[2] for w in joining], [w[3] for w in joining]
         seeds = None if all(s is None for s in seeds) else seeds
         out = None

@@ -39,7 +39,7 @@ from .progress import apply_stopping, generated, guard_progress, raise_failure, 
 from .policies import policy_key, policy_select, rank_of
 from .results import SequenceResult, StepOutput, StreamUpdate, aggregate, collect_results
 from .sampling import Sampler
-from .state import Batch, BatchState, BlockRun, join, new_batch, pad_columns, state_of
+from .state import Batch, BatchState, BlockRun, join, layout, new_batch, pad_columns, state_of
 from .uniform import UniformNoise, for_model
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
@@ -99,16 +99,24 @@ class Decoder:
             [self.dc.seed + i if s is None else s for i, s in enumerate(seeds or [None] * len(prompts))])
         return batch
 
-    def _open_block(self, batch: Batch) -> BlockRun | None:
+    def _window(self, after: int) -> tuple[int, int]:
+        """(width, ahead) of a block window with `after` canvas columns from its first on: the
+        block, or ETE's blocks, up to the canvas's end; --cross-block: the next block where there is one."""
+        L = self.dc.block_length
+        width = min(self.dc.window_blocks * L, after)
+        return width, L if self.dc.cross_block and width < after else 0
+
+    def _open_block(self, batch: Batch, plan=None) -> BlockRun | None:
         """The rows that still generate and whose block (at the batch's cursor) is not complete
-        (ETE may have filled it), after the block's first call; None if there are none."""
+        (ETE may have filled it), after the block's first call; None if there are none. `plan`:
+        the nodes to verify (rows joining an open block take its plan); default the full graph's,
+        or with --draft-budget auto the budget's for this block."""
         if self.uniform is not None:
             return self.uniform.open_block(self, batch)
         L, P, N = self.dc.block_length, batch.prompt_width, batch.x.shape[1]
         lo = batch.cursor
         index = (lo - P) // L                    # the block index of the batch's first rows
-        width = min(self.dc.window_blocks * L, N - lo)                     # the block, or ETE's blocks
-        win = Window(P, L, lo, width, L if self.dc.cross_block and lo + width < N else 0, batch.span)
+        win = Window(P, L, lo, *self._window(N - lo), batch.span)
         todo = (batch.stop_at < 0) & (batch.x[:, lo:lo + L] == self.mc.mask_token_id).any(-1)
         if batch.retired is not None:
             todo &= ~batch.retired
@@ -130,11 +138,11 @@ class Decoder:
             calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
             pending=zeros(torch.bool) | True, commits=batch.commits.take(seqs, span),
             depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
-            nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
+            nodes_hist=batch.nodes_hist[seqs], plan=plan or self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
             carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
             policy_state=None if batch.policy_state is None else batch.policy_state.take(seqs, span), top=top,
             post=zeros() if self.policy.edits else None, gens=gens)
-        if self.budget is not None:             # the nodes worth verifying in this block (one read)
+        if self.budget is not None and plan is None:      # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
         return run
@@ -350,12 +358,28 @@ class Decoder:
 
     @property
     def joins_inside_a_block(self) -> bool:
-        """Can rows join while a block is open? Not with --draft-budget auto (its plan and its
-        timings are per block), --cross-block (the block's first output may be a carried one), a
-        uniform-noise model (its draws are the batch's) or tensor parallelism (the other ranks hold the
-        block's cache as it was opened): those join at the next block boundary."""
-        return self.budget is None and not self.dc.cross_block and self.uniform is None and \
-            getattr(self.model, "tp", None) is None
+        """Can rows join while a block is open (`can_join` says which)? Not on a uniform-noise model
+        (its draws are the batch's) or under tensor parallelism (the other ranks hold the block's
+        cache as it was opened): rows join those at the next block boundary."""
+        return self.uniform is None and getattr(self.model, "tp", None) is None
+
+    def can_join(self, state: BatchState, prompts, gen_lengths: list[int] | None = None) -> bool:
+        """May rows of these prompts and gen lengths join `state` now (`join`)? At a block boundary,
+        yes; inside an open block where `joins_inside_a_block` and the open block's window is the
+        one they would open with: ETE's window and --cross-block's next block end at the canvas's
+        end, so a row that reaches further than the running ones joins at the next boundary."""
+        lengths = gen_lengths or [self.dc.gen_length] * len(prompts)
+        lead, decoded = layout([len(p) for p in prompts], lengths, self.dc.block_length, self.dc.aligned(self.mc))
+        return self._fits(state, max(a + d for a, d in zip(lead, decoded)))
+
+    def _fits(self, state: BatchState, after: int) -> bool:
+        """`can_join` for rows whose canvas reaches `after` columns past their cursor."""
+        run, b = state.run, state.batch
+        if run is None or b is None:
+            return True
+        if not self.joins_inside_a_block:
+            return False
+        return self._window(max(b.x.shape[1] - b.cursor, after)) == (run.win.width, run.win.ahead)
 
     def join(self, state: BatchState, prompts, gen_lengths: list[int], seeds: list | None = None) -> StepOutput:
         """Rows join `state`: each new row's first block opens at the batch's cursor, where the
@@ -364,8 +388,9 @@ class Decoder:
         take their block's first call now — one model call of the new rows — and then step with
         the others. Returns a `StepOutput` as `step` does (`called`: that first call was made)."""
         new = self.start(prompts, gen_lengths, seeds=seeds).batch
-        if state.run is not None and not self.joins_inside_a_block:      # refused: the state is as it was
-            raise InputError("rows join this running batch at a block boundary (state.run is open)")
+        if not self._fits(state, new.x.shape[1] - new.cursor):       # refused: the state is as it was
+            raise InputError("these rows join this running batch at a block boundary (state.run is open; "
+                             "Decoder.can_join)")
         pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
         state.version += 1
         state.sent = state.sent + [0] * new.x.shape[0]
@@ -379,10 +404,12 @@ class Decoder:
         state.batch = merged
         rows = torch.arange(old.x.shape[0], merged.x.shape[0], device=merged.x.device)
         with self.cache_mode.appending(run.cache):      # their cache rows go after the open block's
-            fresh = self._open_block(merged.take(rows))     # the new rows' first call
+            fresh = self._open_block(merged.take(rows), plan=run.plan)     # the new rows' first call
         if fresh is not None:
             fresh.seqs = rows[fresh.seqs]
             state.run = run.joined(fresh)
+            if self.budget is not None:          # the block's time is no longer its plan's alone
+                self.budget.joined(fresh.seqs.numel())
         return StepOutput(state, fresh is not None, self.mc.mask_token_id)
 
     def _widen(self, run: BlockRun, batch: Batch, left: int, right: int) -> None:

@@ -298,6 +298,15 @@ def state_of(run: BlockRun, rows=slice(None), span=slice(None)) -> PolicyState |
     return None if run.policy_state is None else run.policy_state.take(rows, span)
 
 
+def layout(prompt_lengths: list[int], gen_lengths: list[int], block_length: int, aligned: bool = False):
+    """Per row, (prompt tokens inside its first block, positions it decodes): (0, its gen length),
+    or with `aligned` the prompt's tail past the grid and its gen length to the end of its block.
+    A row's canvas reaches lead + decoded columns past the batch's cursor (`new_batch`)."""
+    L = block_length
+    lead = [n % L if aligned else 0 for n in prompt_lengths]
+    return lead, [-(-(a + g) // L) * L - a if aligned else g for a, g in zip(lead, gen_lengths)]
+
+
 def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_length: int, depth: int,
               nodes: int, device, top_logprobs: int = 0, aligned: bool = False) -> Batch:
     """Prompts left-padded to one width, then `gen_length` masks (one length, or one per prompt:
@@ -310,9 +319,8 @@ def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_l
     holding its last position, and its result keeps `gen_length` of them (`Batch.out_len`)."""
     B, L = len(prompts), block_length
     lengths = [gen_length] * B if isinstance(gen_length, int) else list(gen_length)
-    lead = [len(p) % L if aligned else 0 for p in prompts]                  # prompt tokens in the first block
+    lead, decoded = layout([len(p) for p in prompts], lengths, L, aligned)
     P = max(len(p) - a for p, a in zip(prompts, lead))                      # the grid's first block column
-    decoded = [-(-(a + g) // L) * L - a if aligned else g for a, g in zip(lead, lengths)]
     N = P + max(a + d for a, d in zip(lead, decoded))
     pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
     x = torch.full((B, N), pad, dtype=torch.long, device=device)

@@ -129,13 +129,69 @@ def test_rows_join_inside_an_open_block_and_decode_as_alone(model, cache, method
     assert [r.calls for r in got] == [r.calls for r in alone]
 
 
-def test_a_budget_decoder_joins_at_the_boundary(model):
+def test_cross_block_rows_join_inside_an_open_block(model):
+    """--cross-block: the running row opened its block (its first output may be a carried one later);
+    a row of a gen length whose window has the same next block joins now with its own first call,
+    and both decode as alone, calls included."""
+    opts = dict(method="psd", depth=3, cross_block=True, block_length=8)
+    dec = Decoder(model, DecodeConfig(gen_length=24, **opts))
+    state = dec.start([PROMPTS[1]], [24], live=True)
+    for _ in range(4):                                   # into the second block: the first may carry over
+        dec.step(state)
+    assert state.run is not None and state.run.win.ahead == 8 and dec.can_join(state, [PROMPTS[0]], [24])
+    assert dec.join(state, [PROMPTS[0]], [24]) and len(state.run.seqs) == 2
+    while state.batch.cursor < state.batch.end:
+        dec.step(state)
+    alone = [dec.generate([p])[0] for p in (PROMPTS[1], PROMPTS[0])]
+    got = dec.results(state)
+    assert [(r.token_ids, r.calls) for r in got] == [(r.token_ids, r.calls) for r in alone]
+
+
+def test_a_budget_decoder_joins_inside_a_block_with_the_blocks_plan(model):
+    """--draft-budget auto: a row joins the open block under the plan the budget chose for it (no
+    second plan, no probe call), the block is counted but not timed (the join's call is in it), and
+    every row's tokens are its tokens alone (exact acceptance: any plan gives the policy's tokens)."""
     dec = Decoder(model, DecodeConfig(method="psd", depth=2, draft_budget="auto", gen_length=16, block_length=8))
     state = dec.start([PROMPTS[1]], [16], live=True)
-    assert dec.step(state) and not dec.joins_inside_a_block
+    assert dec.step(state) and dec.joins_inside_a_block and dec.can_join(state, [PROMPTS[0]], [16])
+    plan, planned = state.run.plan, len(dec.budget.chosen)
+    calls, restore = _counting(model)
+    try:
+        assert dec.join(state, [PROMPTS[0]], [16])                 # the new row's first call, now
+    finally:
+        restore()
+    assert calls == [1] and state.run.plan is plan and len(dec.budget.chosen) == planned
+    assert dec.budget._open[1] is None                           # not timed
+    while state.batch.cursor < state.batch.end:
+        dec.step(state)
+    alone = [dec.generate([p])[0].token_ids for p in (PROMPTS[1], PROMPTS[0])]
+    assert [r.token_ids for r in dec.results(state)] == alone
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_a_row_that_widens_the_window_joins_at_the_boundary(model, cache):
+    """ETE's window (3 blocks here) ends at the canvas's end: inside the last blocks of a 16-token
+    row it is 2 blocks wide, and a 32-token row would open it 3 wide. `can_join` says no, `join`
+    refuses with the state as it was, a row that fits joins at once, and at the boundary the long
+    one joins; every row decodes as alone."""
+    dec = Decoder(model, DecodeConfig(method="ete", gen_length=16, block_length=8, cache=cache))
+    state = dec.start([PROMPTS[1]], [16], live=True)
+    assert dec.step(state) and state.run.win.width == 16
+    assert not dec.can_join(state, [PROMPTS[0]], [32]) and dec.can_join(state, [PROMPTS[2]], [16])
     with pytest.raises(InputError, match="block boundary"):
-        dec.join(state, [PROMPTS[0]], [16])
-    assert state.sent == [0] and state.batch.x.shape[0] == 1      # a refused join leaves the state as it was
+        dec.join(state, [PROMPTS[0]], [32])
+    assert state.sent == [0] and state.batch.x.shape[0] == 1 and len(state.run.seqs) == 1
+    assert dec.join(state, [PROMPTS[2]], [16])                 # fits: its first call now
+    while state.run is not None:
+        dec.step(state)
+    assert dec.can_join(state, [PROMPTS[0]], [32])
+    dec.join(state, [PROMPTS[0]], [32])
+    while state.batch.cursor < state.batch.end:
+        dec.step(state)
+    want = [dec.generate([p])[0].token_ids for p in (PROMPTS[1], PROMPTS[2])]
+    want.append(Decoder(model, DecodeConfig(method="ete", gen_length=32, block_length=8, cache=cache)).generate(
+        [PROMPTS[0]])[0].token_ids)
+    assert [r.token_ids for r in dec.results(state)] == want
 
 
 @pytest.mark.parametrize("family", ["dream", "pangu"])
