@@ -321,6 +321,8 @@ def new_batch(mc, prompts: list[list[int]], gen_length: int | list[int], block_l
     lengths = [gen_length] * B if isinstance(gen_length, int) else list(gen_length)
     lead, decoded = layout([len(p) for p in prompts], lengths, L, aligned)
     P = max(len(p) - a for p, a in zip(prompts, lead))                      # the grid's first block column
+    if P < mc.logit_shift:   # aligned prompts inside one block: a shifted model reads column lo's logits at lo - 1
+        P += L
     N = P + max(a + d for a, d in zip(lead, decoded))
     pad = mc.pad_token_id if mc.pad_token_id is not None else mc.eos_token_id
     x = torch.full((B, N), pad, dtype=torch.long, device=device)

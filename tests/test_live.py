@@ -218,3 +218,22 @@ def test_random_joins_of_mixed_lengths_decode_as_alone(case, seed):
         assert done[i].token_ids == alone.token_ids, (i, g, schedule)
         if "draft_budget" not in case:               # auto's plans (so its calls) depend on what it timed
             assert done[i].calls == alone.calls, (i, g, schedule)
+
+
+@pytest.mark.parametrize("family", ["dream", "pangu"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_sequence_alignment_with_a_prompt_inside_one_block_on_shifted_models(family, cache):
+    """--align sequence with every prompt shorter than a block put the grid's first block at column
+    0, and a shifted model (its prediction for column lo read at lo - 1) failed on any call: the grid
+    now starts one block later. Alone, batched with a longer prompt and joined live, each sequence
+    decodes the same."""
+    cfg = ModelConfig.tiny(family, vocab_size=64, mask_token_id=63, eos_token_id=62)
+    m = init_random(cfg, seed=5, std=0.5).double()
+    opts = dict(method="confidence", threshold=0.3, block_length=L, align="sequence", cache=cache)
+    dec = Decoder(m, DecodeConfig(gen_length=16, **opts))
+    short, long_ = [11, 12, 13], list(range(1, 20))
+    alone = [dec.generate([p])[0] for p in (short, long_)]
+    assert all(r.tokens > 0 for r in alone)
+    assert [r.token_ids for r in dec.generate([short, long_])] == [r.token_ids for r in alone]
+    done = run_live(dec, [short, long_], [(0, 16, 0), (1, 16, 2)]).done
+    assert [done[0].token_ids, done[1].token_ids] == [r.token_ids for r in alone]
