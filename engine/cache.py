@@ -22,7 +22,7 @@ import torch
 
 from models import attention_mask
 
-from .kvstore import KVStore
+from .kvstore import KVStore, join_caches
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,11 @@ class NoCache:
         """A context in which `start` adds rows to the open block's `cache` (rows joining it)."""
         return contextlib.nullcontext()
 
+    def joined(self, a, b):
+        """The cache of an open block's rows (`a`), then of rows that joined it (`b`, started while
+        `appending(a)`): `BlockRun.joined`'s."""
+        return None
+
     def release(self) -> None:
         """Free the K/V memory kept for the batch that just ended."""
 
@@ -140,6 +145,9 @@ class PrefixCache(NoCache):
 
     def appending(self, cache):
         return self.store.after(cache)
+
+    def joined(self, a, b):
+        return join_caches(a, b)
 
     def release(self) -> None:
         self.store.release()

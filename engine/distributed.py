@@ -11,7 +11,10 @@ from what only rank 0 has (sampling noise, measured call times).
 
     rank 0 (its cache mode: `Announced`)            every other rank (`follow`)
     start(x, valid, pos, win)          header + one tensor -->  mode.start(...), keeps the cache by id
+                                                                (inside `appending(cache)`: so is it)
     call(x, valid, pos, win, cache, rows)          -->          mode.call(..., the cache of that id, rows)
+    widen(cache, win, n, left, rows)               -->          mode.widen(...): rows joining an open block
+    joined(a, b)                                   -->          mode.joined(...): their cache after the others'
     a cache or a decoder rank 0 dropped   (its id rides on the next message)  -->  dropped
     `stop_followers` / `release`               "exit"  -->  `follow` returns
 
@@ -197,6 +200,7 @@ class Announced:
         self.name = mode.name
         self.spec = mode_spec(mode, model)
         self.told = False
+        self.into = -1                         # inside `appending`: the cache a `start` writes after
         self.id = channel.register(self)
 
     def __getattr__(self, name):           # query_span, stats, ... of the wrapped mode
@@ -205,13 +209,13 @@ class Announced:
             raise AttributeError(name)
         return getattr(mode, name)
 
-    def _say(self, kind: str, cache_id: int, win, tensors) -> None:
-        self.channel.say(kind, self.id, None if self.told else self.spec, cache_id, win, tensors=tensors)
+    def _say(self, kind: str, cache_id: int, win, tensors=(), *args) -> None:
+        self.channel.say(kind, self.id, None if self.told else self.spec, cache_id, win, *args, tensors=tensors)
         self.told = True
 
     def start(self, x, valid, pos, win):
         cache_id = next(self.channel.ids)
-        self._say("start", cache_id, win, (x, valid, pos))
+        self._say("start", cache_id, win, (x, valid, pos), self.into)
         try:
             logits, cache = self.mode.start(x, valid, pos, win)
         except BaseException:
@@ -222,8 +226,36 @@ class Announced:
         return logits, cache
 
     def call(self, x, valid, pos, win, cache, rows):
-        self._say("call", self.channel.key(cache), win, (x, valid, pos, rows))
+        self._say("call", self.channel.key(cache), win, (x, valid, pos, rows), -1)
         return self.mode.call(x, valid, pos, win, cache, rows)
+
+    # rows joining an open block (Decoder.join): its cache widened, theirs written after it, then one
+    def widen(self, cache, win, n: int, left: int, rows: int = 0):
+        return self._made("widen", cache, win, (n, left, rows), lambda: self.mode.widen(cache, win, n, left, rows))
+
+    @contextlib.contextmanager
+    def appending(self, cache):
+        self.into = self.channel.key(cache)      # the next `start`s write after it, here and there
+        try:
+            with self.mode.appending(cache):
+                yield
+        finally:
+            self.into = -1
+
+    def joined(self, a, b):
+        return self._made("joined", a, None, (self.channel.key(b),), lambda: self.mode.joined(a, b))
+
+    def _made(self, kind: str, cache, win, args: tuple, here):
+        """`here()`, a cache made from `cache` (widen, joined), and the same on the followers (`kind`
+        with `args`), where it is kept by a new id; without a cache (`none`) nothing to tell."""
+        if cache is None:
+            return here()
+        new_id = next(self.channel.ids)
+        self._say(kind, self.channel.key(cache), win, (), new_id, *args)
+        made = here()
+        if made is not None:
+            self.channel.register(made, new_id)
+        return made
 
 
 def lead(decoder: Decoder) -> Decoder:
@@ -290,7 +322,7 @@ def follow(model, stats: collections.Counter | None = None):
             kind, frees, *rest = msg
             for i in frees:
                 held.pop(i, None)
-            if kind in ("start", "call"):
+            if kind in ("start", "call", "widen", "joined"):
                 _run(tp, model, held, stats, kind, *rest)
                 if stats is not None:
                     stats[kind] += 1
@@ -305,18 +337,27 @@ def follow(model, stats: collections.Counter | None = None):
             raise (cls if isinstance(cls, type) and issubclass(cls, _ERRORS) else RuntimeError)(text)
 
 
-_KINDS = ("start", "call", "exit", "done", "failed")
+_KINDS = ("start", "call", "widen", "joined", "exit", "done", "failed")
 
 
-def _run(tp, model, held: dict, stats, kind: str, mode_id: int, spec, cache_id: int, win, metas) -> None:
-    tensors = _receive(tp, metas)
+def _run(tp, model, held: dict, stats, kind: str, mode_id: int, spec, cache_id: int, win, *more) -> None:
     if spec is not None:
         held[mode_id] = build_mode(spec, model)
         if stats is not None:
             stats[f"built {type(held[mode_id]).__name__}"] += 1
     mode = held[mode_id]
+    if kind in ("widen", "joined"):                    # rows joined an open block (no tensors sent)
+        new_id, *args = more
+        made = mode.widen(held[cache_id], win, *args) if kind == "widen" else \
+            mode.joined(held[cache_id], held[args[0]])
+        if made is not None:
+            held[new_id] = made
+        return
+    into, metas = more
+    tensors = _receive(tp, metas)
     if kind == "start":
-        _, cache = mode.start(*tensors, win)
+        with mode.appending(held[into]) if into >= 0 else contextlib.nullcontext():
+            _, cache = mode.start(*tensors, win)
         if cache is not None:
             held[cache_id] = cache
     else:

@@ -359,9 +359,8 @@ class Decoder:
     @property
     def joins_inside_a_block(self) -> bool:
         """Can rows join while a block is open (`can_join` says which)? Not on a uniform-noise model
-        (its draws are the batch's) or under tensor parallelism (the other ranks hold the block's
-        cache as it was opened): rows join those at the next block boundary."""
-        return self.uniform is None and getattr(self.model, "tp", None) is None
+        (its draws are the batch's): rows join it at the next block boundary."""
+        return self.uniform is None
 
     def can_join(self, state: BatchState, prompts, gen_lengths: list[int] | None = None) -> bool:
         """May rows of these prompts and gen lengths join `state` now (`join`)? At a block boundary,
@@ -407,7 +406,7 @@ class Decoder:
             fresh = self._open_block(merged.take(rows), plan=run.plan)     # the new rows' first call
         if fresh is not None:
             fresh.seqs = rows[fresh.seqs]
-            state.run = run.joined(fresh)
+            state.run = run.joined(fresh, self.cache_mode.joined(run.cache, fresh.cache))
             if self.budget is not None:          # the block's time is no longer its plan's alone
                 self.budget.joined(fresh.seqs.numel())
         return StepOutput(state, fresh is not None, self.mc.mask_token_id)

@@ -10,7 +10,6 @@ import torch
 from models import position_ids
 
 from .cache import Window
-from .kvstore import join_caches
 from .policies import PolicyState
 from .sampling import Sampler
 
@@ -242,13 +241,15 @@ class BlockRun:
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
 
-    def joined(self, other: "BlockRun") -> "BlockRun":
+    def joined(self, other: "BlockRun", cache=None) -> "BlockRun":
         """These rows, then `other`'s (the same block, window and plan: rows that opened the block
-        later, `Decoder.join`); every per-row tensor, the commit record, the policy state and the
-        cache concatenated row-wise."""
-        kw = {}
+        later, `Decoder.join`); every per-row tensor, the commit record and the policy state
+        concatenated row-wise; `cache`, the two caches joined (the cache mode's `joined`)."""
+        kw = {"cache": cache}
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "cache":
+                continue
             if f.name in ("index", "win", "plan") or a is None:
                 kw[f.name] = a
             elif isinstance(a, list):                   # --sampler row: the rows' generators
@@ -257,10 +258,8 @@ class BlockRun:
                 kw[f.name] = torch.cat((a, b.to(a.dtype)))
             elif isinstance(a, Commits):
                 kw[f.name] = Commits.cat(a, b)
-            elif isinstance(a, PolicyState):
-                kw[f.name] = a.join(b)
-            else:                    # the cache: b's rows follow a's in their store (one view), or concatenated
-                kw[f.name] = join_caches(a, b)
+            else:
+                kw[f.name] = a.join(b)                   # PolicyState
         return BlockRun(**kw)
 
     def retire(self, rows) -> None:

@@ -218,8 +218,8 @@ def _lead_or_follow(tp, model, work):
 
 
 # prompts of a continuous batch: (prompt index, gen length, the step before which it joins)
-LIVE_PROMPTS = [[5, 9, 14, 3, 22, 7], [11, 2, 40], [8, 30, 6, 12]]
-LIVE = [(0, 12, 0), (1, 8, 2), (2, 4, 5)]
+LIVE_PROMPTS = [[5, 9, 14, 3, 22, 7], [11, 2, 40], [8, 30, 6, 12], [4, 17, 29, 33, 8, 2, 19, 25, 31]]
+LIVE = [(0, 12, 0), (1, 8, 2), (2, 4, 5), (3, 4, 6)]     # the last: a longer prompt (the canvas widens)
 
 
 def _serve_pattern(model, make):
@@ -317,22 +317,21 @@ def test_split_model_decodes_the_same_tokens_for_every_method(ckpts, tmp_path):
 
 
 def test_rank0_leads_and_the_others_follow(ckpts, tmp_path):
-    """engine.serve's work on rank 0 (streams, continuous batching, a bad request, a graphed
-    cache mode) equals one process, and rank 1 ran rank 0's calls only."""
+    """engine.serve's work on rank 0 (streams, continuous batching with rows joining open blocks,
+    a bad request, a graphed cache mode) equals one process, rows per call included, and rank 1
+    ran rank 0's calls only (the open block's cache widened and joined there too)."""
     from engine.loop import Decoder
-
-    class AtBoundaries(Decoder):                 # tensor parallel: rows join at block boundaries only
-        joins_inside_a_block = property(lambda self: False)
 
     path = ckpts["llada"]
     ranks = _launch({"kind": "follow", "ckpt": path}, tmp_path)
     lead, follower = ranks[0], ranks[1]
-    one = _serve_pattern(load_model(path, dtype="float64"), AtBoundaries)
+    one = _serve_pattern(load_model(path, dtype="float64"), Decoder)
     assert lead["out"] == one
-    assert lead["out"]["bad"] == "InputError" and max(one["live"][1]) == 3      # the batch held 3 sequences
+    assert lead["out"]["bad"] == "InputError" and max(one["live"][1]) == 4      # the batch held 4 sequences
     assert one["graphed"][1] > 0                                                  # graphs were captured
     assert follower.pop("held") == 0 and follower.pop("built GraphedCall") == 1, follower
-    assert {k: follower[k] for k in ("start", "call")} == lead["sent"], (follower, lead["sent"])
+    assert {k: follower.get(k, 0) for k in lead["sent"]} == lead["sent"], (follower, lead["sent"])
+    assert lead["sent"].get("joined", 0) > 0 and lead["sent"].get("widen", 0) > 0   # rows joined open blocks
 
 
 # ---------------------------------------------------------------------- (c) sharded loading, in one process
