@@ -39,7 +39,7 @@ def first_output(decoder, batch, seqs, x, valid, pos, win, gens=None):
     if fresh.numel():
         logits, cache = decoder.cache_mode.start(x[fresh], valid[fresh], pos[fresh], win)
         pred_f, conf_f, _ = decoder.sampler.predict(logits, batch.gen_start[seqs[fresh]], win.lo,
-                                                    decoder.sampler.rows_of(gens, fresh))
+                                                    decoder.sampler.rows_of(gens, fresh), valid[fresh])
         conf = conf.to(conf_f.dtype)
         pred[fresh], conf[fresh] = pred_f[:, :W], conf_f[:, :W]
         if win.ahead:

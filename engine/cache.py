@@ -179,8 +179,9 @@ class DualCache(PrefixCache):
 
     def _packed_cols(self, win: Window, n: int) -> int:
         """Cache columns of a packed block: a row in the block has its block's columns valid, so at
-        most span - block length - logit shift of its columns are cached."""
-        return min(win.span - win.block_length - self.mc.logit_shift, self._canvas_cols(win, n))
+        most span - block length of its columns are cached (span - block - shift where the column
+        before the block is the row's too, but with --align sequence a row may start at the block)."""
+        return min(win.span - win.block_length, self._canvas_cols(win, n))
 
     def start(self, x, valid, pos, win: Window):
         N, held = x.shape[1], self.store.appending_to
@@ -192,8 +193,10 @@ class DualCache(PrefixCache):
         C = held.cols if held is not None else self._packed_cols(win, N)
         lo = win.lo - self.mc.logit_shift
         j = torch.arange(C, device=x.device)
-        # slot j of row b: its prefix's j-th visible key, then its suffix (canvas col hi on), as packed columns
-        col = torch.where(j < (lo - first)[:, None], j, j - (lo - first)[:, None] + (win.hi - first)[:, None])
+        # slot j of row b: its prefix's j-th visible key, then its suffix (canvas col hi on), as packed
+        # columns; a row that starts inside the queried span (--align sequence) has no prefix
+        pre = (lo - first).clamp(min=0)[:, None]
+        col = torch.where(j < pre, j, j - pre + (win.hi - first)[:, None])
         probe = torch.full((x.shape[0], 1), win.lo, device=x.device)   # any block query: visibility is query-independent
         key_mask = win.mask(self.mc, valid, probe, first[:, None] + col)[:, 0, 0]
         cache = self.store.write([tuple(_columns(t, col.clamp(0, win.span - 1)) for t in kv) for kv in kvs],

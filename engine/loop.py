@@ -155,7 +155,8 @@ class Decoder:
             return first_output(self, batch, seqs, x, valid, pos, win, gens)
         logits, cache = self.cache_mode.start(x, valid, pos, win)
         one = torch.ones(len(seqs), dtype=torch.long, device=x.device)
-        return *self.sampler.predict(logits, batch.gen_start[seqs], win.lo, gens), (None, None), cache, one, one - 1
+        return *self.sampler.predict(logits, batch.gen_start[seqs], win.lo, gens, valid), (None, None), cache, one, \
+            one - 1
 
     def _close_block(self, batch: Batch, run: BlockRun) -> None:
         if self.uniform is not None:
@@ -263,8 +264,8 @@ class Decoder:
         win, dev, W = run.win, drafts.device, run.win.width
         pair, seq_rows, canvases = self._canvases(run, act, drafts, valid)
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
-        gens = Sampler.rows_of(run.gens, seq_rows)                                          # --sampler row
-        pred, conf, top = self.sampler.predict(logits, run.gen_start[seq_rows], win.lo, gens)
+        gens = Sampler.rows_of(run.gens, seq_rows, A * K if self.dc.static_rows else None)     # --sampler row
+        pred, conf, top = self.sampler.predict(logits, run.gen_start[seq_rows], win.lo, gens, run.valid[seq_rows])
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W,

@@ -52,23 +52,33 @@ class Sampler:
         return [torch.Generator(device=self.device).manual_seed(int(s) % 2 ** 64) for s in seeds]
 
     @staticmethod
-    def rows_of(gens: list | None, rows) -> list | None:
+    def rows_of(gens: list | None, rows, real: int | None = None) -> list | None:
         """The generators of rows `rows` (indices, a tensor or a list) of `gens`; None stays None
-        (`--sampler batch`, or temperature 0). One host read of `rows`."""
+        (`--sampler batch`, or temperature 0). One host read of `rows`. `real`: only the first
+        `real` rows draw, the others (--static-rows' filler canvases of rows done with the block)
+        get None, so no sequence's generator draws for them."""
         if gens is None:
             return None
-        return [gens[i] for i in torch.as_tensor(rows).reshape(-1).tolist()]
+        out = [gens[i] for i in torch.as_tensor(rows).reshape(-1).tolist()]
+        return out if real is None else out[:real] + [None] * (len(out) - real)
 
-    def predict(self, logits: torch.Tensor, gen_start: torch.Tensor | None = None, lo: int = 0, gens=None):
+    def predict(self, logits: torch.Tensor, gen_start: torch.Tensor | None = None, lo: int = 0, gens=None,
+                valid: torch.Tensor | None = None):
         """Top-1 token and confidence [R, W] from the logits [R, W, V] of the window starting at
         column `lo`, for rows that start generating at `gen_start` [R] (needed with --min-tokens),
         and with --top-logprobs k the k most likely (id, probability) [R, W, k, 2] (else None).
         Draws noise only at temperature > 0: from the generator, or with `--sampler row` from `gens`,
-        the generator of each row's sequence (R of them, in row order)."""
+        the generator of each row's sequence (R of them, in row order), over the window's columns
+        each row has (`valid` [R, N], its canvas's valid columns: a window wider than a shorter
+        row's end, ETE's in a batch of mixed lengths, draws what the row alone draws)."""
         if self.conf_dtype == "float64":
             logits = logits.double()
         logits = self._bar_stops(logits, None if gen_start is None else self.no_stop(gen_start, lo, logits.shape[1]))
-        noise = self.noise(logits, gens) if self.temperature > 0 else None
+        widths = None
+        if self.per_row and valid is not None:        # columns lo... each row has: to its last valid one
+            ends = valid.shape[1] - valid.flip(1).to(torch.uint8).argmax(1)
+            widths = (ends - lo).clamp(0, logits.shape[1]).tolist()
+        noise = self.noise(logits, gens, widths) if self.temperature > 0 else None
         pred, conf = psd_kernels.top1(logits, self.mask_id, score=self.score, temperature=self.temperature,
                                       noise=noise)
         return pred, conf, self.top(logits) if self.top_logprobs else None
@@ -92,18 +102,22 @@ class Sampler:
         stop = logits.index_select(-1, self.stop_ids).masked_fill(no_stop[..., None], NEG_INF)
         return logits.index_copy(-1, self.stop_ids, stop)
 
-    def noise(self, logits: torch.Tensor, gens=None) -> torch.Tensor:
+    def noise(self, logits: torch.Tensor, gens=None, widths: list[int] | None = None) -> torch.Tensor:
         """Standard Gumbel noise of the logits' shape, float64, from the generator (LLaDA's draw) or
         row r's from `gens[r]` (`--sampler row`: the [W, V] draws of a sequence's rows, in order, are
-        what one [R, W, V] draw of its generator gives); -inf outside the tokens --top-k / --top-p
+        what one [R, W, V] draw of its generator gives; [widths[r], V] of them where given, the
+        columns past that row's end drawing nothing); -inf outside the tokens --top-k / --top-p
         keep, so the Gumbel-max sample is drawn among them. Transformed in place: one float64
         [R, W, V] buffer, not one per operation (the same values as -log(-log(u)))."""
         if self.per_row:
             if gens is None or len(gens) != logits.shape[0]:
                 raise ValueError(f"--sampler row draws per row: {logits.shape[0]} rows need as many generators")
-            u = torch.empty(logits.shape, device=logits.device, dtype=torch.float64)
+            u = torch.full(logits.shape, 0.5, device=logits.device, dtype=torch.float64)
             for r, g in enumerate(gens):
-                torch.rand(logits.shape[1:], generator=g, device=logits.device, dtype=torch.float64, out=u[r])
+                if g is None:                 # a filler canvas: drawn from no sequence's generator
+                    continue
+                w = logits.shape[1] if widths is None else widths[r]
+                torch.rand((w, logits.shape[2]), generator=g, device=logits.device, dtype=torch.float64, out=u[r, :w])
         else:
             u = torch.rand(logits.shape, generator=self.gen, device=logits.device, dtype=torch.float64)
         g = u.clamp_min_(1e-300).log_().neg_().log_().neg_()

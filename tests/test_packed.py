@@ -145,8 +145,8 @@ def test_serve_sim_compares_the_schedulers_on_the_same_requests(capsys):
 
 @pytest.mark.parametrize("family", ["llada", "dream", "pangu"])
 def test_a_packed_block_caches_each_rows_keys_only(family):
-    """`dual` on a packed block: the cache holds span - block - shift columns per row (each row's
-    visible keys first), not the canvas's, and every row still decodes what it decodes alone."""
+    """`dual` on a packed block: the cache holds span - block columns per row (each row's visible
+    keys first), not the canvas's, and every row still decodes what it decodes alone."""
     model = _model(family)
     prompts, lengths, L = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14]], [8, 32], 8
     dec = Decoder(model, DecodeConfig(method="confidence", threshold=0.5, block_length=L, cache="dual"))
@@ -161,7 +161,23 @@ def test_a_packed_block_caches_each_rows_keys_only(family):
         model.forward = forward
     assert [r.token_ids for r in dec.results(state)] == alone
     span, canvas, shift = 2 + 32, 8 + 32, model.config.logit_shift
-    assert cached and max(cached) <= span - L - shift < canvas - L - shift
+    assert cached and max(cached) <= span - L < canvas - L - shift
+
+
+@pytest.mark.parametrize("family", ["dream", "pangu"])
+def test_a_packed_dual_block_with_rows_that_start_at_the_block(family):
+    """--align sequence on a shifted model: a short prompt starts at the block, so the column before
+    it (the shift's) is not the row's. Its packed dual cache then has no prefix, and its suffix keys
+    are all kept (before, the first suffix key was skipped and the longest row's last one cut)."""
+    model = _model(family)
+    prompts, lengths = [[5, 4, 1], [35, 58, 18, 51, 48, 3, 14], [34, 23, 17, 49, 11, 52, 6, 16, 13]], [8, 24, 24]
+    dec = Decoder(model, DecodeConfig(method="psd", policy_name="localleap", depth=2, block_length=8, cache="dual",
+                                      align="sequence"))
+    alone = [dec.results(_run(dec, dec.start([p], [g])))[0] for p, g in zip(prompts, lengths)]
+    got = dec.results(_run(dec, dec.start(prompts, lengths)))
+    assert [(r.token_ids, r.calls) for r in got] == [(r.token_ids, r.calls) for r in alone]
+    for r, a in zip(got, alone):
+        assert r.commit_prob == pytest.approx(a.commit_prob, abs=1e-5)
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])

@@ -66,6 +66,25 @@ def test_sampled_rows_that_join_a_running_batch_decode_as_alone(model, cache):
     assert [done[i] for i in range(len(PROMPTS))] == want
 
 
+@pytest.mark.parametrize("opts", [dict(method="ete", cache="dual"), dict(method="ete", k=2),
+                                  dict(method="psd", depth=2, cross_block=True),
+                                  dict(method="psd", depth=3, static_rows=True, cache="dual")], ids=str)
+def test_a_sampled_row_of_a_mixed_batch_draws_what_it_draws_alone(model, opts):
+    """Mixed generation lengths: ETE's and --cross-block's windows reach past a shorter row's end (its
+    draws cover only its own columns, as alone), and --static-rows' filler canvases of rows done
+    with the block draw from no sequence's generator. Before, each changed the row's draws."""
+    if opts.get("cross_block") and model.config.attention != "bidirectional":
+        pytest.skip("--cross-block needs a bidirectional model")
+    base = dict(temperature=0.8, block_length=8, **opts)
+    lengths = [8, 32, 16, 24]
+    want = [generate(model, [p], seed=s, gen_length=g, **base)[0].token_ids for p, s, g in zip(PROMPTS, SEEDS, lengths)]
+    dec = Decoder(model, DecodeConfig(sampler="row", gen_length=32, **base))
+    st = dec.start(PROMPTS, lengths, seeds=SEEDS)
+    while not st.done:
+        dec.step(st)
+    assert [r.token_ids for r in dec.results(st)] == want
+
+
 def test_row_sampler_is_refused_on_a_uniform_noise_model(tmp_path):
     _, model = make_checkpoint(tmp_path / "g", "diffusion_gemma", seed=0)
     with pytest.raises(InputError, match="--sampler row is for masked models"):
