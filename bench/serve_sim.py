@@ -78,7 +78,7 @@ def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length:
     info, out, nxt = {}, {}, 0
 
     def admit():
-        while queue and sum(lv.running + len(lv.waiting) for lv in lives.values()) < max_batch:
+        while queue and sum(lv.rows_held for lv in lives.values()) < max_batch:
             i, t = queue.popleft()
             p, g, mt = load.request(i)
             key = g if by_length else 0

@@ -93,6 +93,12 @@ class LiveBatch:
         return len(self.handles)
 
     @property
+    def rows_held(self) -> int:
+        """The rows this batch holds or has promised: its sequences and those waiting to join
+        (what a scheduler's row bound counts)."""
+        return len(self.handles) + len(self.waiting)
+
+    @property
     def idle(self) -> bool:
         return not self.handles and not self.waiting
 

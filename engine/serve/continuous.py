@@ -66,7 +66,7 @@ class ContinuousScheduler(Scheduler):
 
     @staticmethod
     def _rows(lives: dict) -> int:
-        return sum(lv.batch.running + len(lv.batch.waiting) for lv in lives.values())
+        return sum(lv.batch.rows_held for lv in lives.values())
 
     def _drop_cancelled(self, lives: dict) -> None:
         """Clients that went away leave their batch at its next boundary."""
