@@ -238,6 +238,10 @@ def _serve_pattern(model, make):
     steps.close()                                 # a client went away: nothing to tell the followers
     live = run_live(make(model, DecodeConfig(method="psd", cache="dual", **GEN)), LIVE_PROMPTS, LIVE)
     out["live"] = ({i: r.token_ids for i, r in live.done.items()}, live.rows)
+    # ETE: a longer row would widen the open block's window, so it waits for the boundary (can_join)
+    ete = run_live(make(model, DecodeConfig(method="ete", cache="prefix", **GEN)), LIVE_PROMPTS,
+                   [(1, 4, 0), (0, 12, 1), (2, 4, 1)])
+    out["ete"] = ({i: r.token_ids for i, r in ete.done.items()}, ete.rows)
     try:                                          # a bad request: refused on rank 0 before any call
         make(model, DecodeConfig(method="greedy", **GEN)).generate([[]])
     except Exception as e:                        # noqa: BLE001
