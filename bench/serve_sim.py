@@ -44,11 +44,13 @@ class Meter:
     """Counts the model's forward passes and the token-columns they compute."""
 
     def __init__(self, model):
-        self.calls = self.columns = 0
+        self.calls = self.columns = self.rows = 0
+        self.held = 0              # sequences the calling batch held, summed over calls (the schedulers add it)
         forward = model.forward
 
         def counted(ids, *a, **k):
             self.calls += 1
+            self.rows += ids.shape[0]
             self.columns += ids.shape[0] * ids.shape[1]
             return forward(ids, *a, **k)
 
@@ -68,7 +70,8 @@ class Load:
         return self.ids[i % len(self.ids)], -(-mt // self.block) * self.block, mt
 
 
-def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length: bool = False) -> dict:
+def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length: bool = False,
+                   meter: Meter | None = None) -> dict:
     """As the server's continuous scheduler: one running `LiveBatch` for every length (with
     `by_length`, --batch-by-length: one per generation length, taking turns one model call each); at
     most `max_batch` rows in all of them, a request beyond that waiting (oldest first) for a row."""
@@ -99,6 +102,8 @@ def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length:
             turn.remove(key)
             admit()
             continue
+        if meter is not None:
+            meter.held += u.rows                           # the batch's sequences during this call
         now = time.perf_counter()
         for h in u.pieces:
             info[key, h][3] = now if info[key, h][3] is None else info[key, h][3]
@@ -112,7 +117,7 @@ def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length:
     return out
 
 
-def run_static(dec_for, load: Load, clients: int, max_batch: int) -> dict:
+def run_static(dec_for, load: Load, clients: int, max_batch: int, meter: Meter | None = None) -> dict:
     out, waiting, nxt = {}, [], 0
     for _ in range(min(clients, load.total)):
         waiting.append((nxt, time.perf_counter()))
@@ -122,7 +127,10 @@ def run_static(dec_for, load: Load, clients: int, max_batch: int) -> dict:
         batch = [w for w in waiting if load.request(w[0])[1] == g][:max_batch]
         waiting = [w for w in waiting if w not in batch]
         first = [None] * len(batch)
+        calls = None if meter is None else meter.calls
         for u in dec_for(g).stream([load.request(i)[0] for i, _ in batch]):
+            if meter is not None:          # every sequence of a static batch holds its row to the end
+                meter.held, calls = meter.held + len(batch) * (meter.calls - calls), meter.calls
             now = time.perf_counter()
             first = [f if f is not None or not piece else now for f, piece in zip(first, u.pieces)]
             if u.results is not None:
@@ -136,17 +144,17 @@ def run_static(dec_for, load: Load, clients: int, max_batch: int) -> dict:
 
 def measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: int, max_batch: int) -> dict:
     max_batch = 1 if mode == "serial" else max_batch
-    meter.calls = meter.columns = 0
+    meter.calls = meter.columns = meter.rows = meter.held = 0
     t0, c0 = time.perf_counter(), time.process_time()
     decs = {}
     dec_for = lambda g: decs.setdefault(g, Decoder(model, DecodeConfig(**config) if g is None else  # noqa: E731
                                                    DecodeConfig(**{**config, "gen_length": g})))
     if mode in ("continuous", "by-length"):
-        out = run_continuous(dec_for, load, clients, max_batch, by_length=mode == "by-length")
+        out = run_continuous(dec_for, load, clients, max_batch, by_length=mode == "by-length", meter=meter)
     else:
-        out = run_static(dec_for, load, clients, max_batch)
+        out = run_static(dec_for, load, clients, max_batch, meter=meter)
     return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "calls": meter.calls,
-            "columns": meter.columns, "out": out}
+            "columns": meter.columns, "rows": meter.rows, "held": meter.held, "out": out}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -156,7 +164,9 @@ def summary(runs: list[dict]) -> dict:
     wall, cpu = sum(r["wall"] for r in runs), sum(r["cpu"] for r in runs)
     return {"requests": n, "req_s": n / wall, "req_cpu_s": n / cpu, "p50_latency": pct(lat, 50),
             "p50_ttft": pct(ttft, 50), "calls_per_request": sum(r["calls"] for r in runs) / n,
-            "columns_per_request": sum(r["columns"] for r in runs) / n}
+            "columns_per_request": sum(r["columns"] for r in runs) / n,
+            "rows_per_call": sum(r["rows"] for r in runs) / max(1, sum(r["calls"] for r in runs)),
+            "held_per_call": sum(r["held"] for r in runs) / max(1, sum(r["calls"] for r in runs))}
 
 
 def run(args) -> int:
@@ -194,13 +204,14 @@ def run(args) -> int:
 
 def print_table(rows: list[dict], modes) -> None:
     print("| cache | clients | mode | requests | req/s | req/CPU s | p50 latency s | p50 TTFT s | calls / request "
-          "| token-columns / request |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| token-columns / request | canvases / call | sequences held / call |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         for m in modes:
             s = r[m]
             print(f"| {r['cache']} | {r['clients']} | {m} | {s['requests']} | {s['req_s']:.2f} | {s['req_cpu_s']:.2f} | "
                   f"{s['p50_latency']:.3f} | {s['p50_ttft']:.3f} | {s['calls_per_request']:.2f} | "
-                  f"{s['columns_per_request']:.0f} |")
+                  f"{s['columns_per_request']:.0f} | {s['rows_per_call']:.1f} | {s['held_per_call']:.1f} |")
     for r in rows:
         print(f"cache {r['cache']}, {r['clients']} clients: continuous ÷ static req/s {r['ratio_req_s']:.2f} "
               f"(by CPU time {r['ratio_req_cpu_s']:.2f}), p50 TTFT {r['ratio_p50_ttft']:.2f}; "
