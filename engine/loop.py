@@ -138,7 +138,8 @@ class Decoder:
             calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
             pending=zeros(torch.bool) | True, commits=batch.commits.take(seqs, span),
             depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
-            nodes_hist=batch.nodes_hist[seqs], plan=plan or self.full_plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
+            nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan if plan is None else plan,
+            ahead_pred=ahead[0], ahead_conf=ahead[1],
             carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
             policy_state=None if batch.policy_state is None else batch.policy_state.take(seqs, span), top=top,
             post=zeros() if self.policy.edits else None, gens=gens)
