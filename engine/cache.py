@@ -125,12 +125,19 @@ class PrefixCache(NoCache):
         return torch.cat([torch.arange(a, b, device=device) for a, b in self.cached_spans(win, n)])
 
     def start(self, x, valid, pos, win: Window):
-        logits, kvs = self._full(x, valid, pos, win, True)
-        idx = self.cached_positions(win, x.shape[1], x.device)
+        N = x.shape[1]
+        idx = self.cached_positions(win, N, x.device)
         probe = torch.tensor([win.lo], device=x.device)   # any block query: cache visibility is query-independent
+        key_mask = win.mask(self.mc, valid, probe, idx)[:, 0, 0]
+        if self.packs(win, N):       # the cached columns taken from the packed call's keys, not the whole canvas first
+            logits, kvs, first = self._packed(x, valid, pos, win, True)
+            back = (idx[None] - first[:, None]).clamp(0, win.span - 1)
+            kvs, spans = [tuple(_columns(t, back) for t in kv) for kv in kvs], [(0, idx.numel())]
+        else:
+            logits, kvs = self._full(x, valid, pos, win, True)
+            spans = self.cached_spans(win, N)
         # the cached columns of every layer, copied into the store's memory (no new tensors per block)
-        return logits, self.store.write(kvs, self.cached_spans(win, x.shape[1]),
-                                        win.mask(self.mc, valid, probe, idx)[:, 0, 0], x.shape[1])
+        return logits, self.store.write(kvs, spans, key_mask, N)
 
     def call(self, x, valid, pos, win: Window, cache, rows):
         self.store.check(cache)
