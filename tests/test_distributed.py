@@ -188,6 +188,11 @@ def _rank_main(job_file: str) -> None:
             out[name] = _lead_or_follow(tp, model, lambda: _decode_all(model, job["methods"], CACHES, EXTRA))
     elif job["kind"] == "follow":
         out = _follow_job(job, tp)
+    elif job["kind"] == "live_random":
+        from engine import distributed
+
+        model = load_model(job["ckpt"], dtype="float64", tp=tp)
+        out = _lead_or_follow(tp, model, lambda: _live_runs(model, distributed.decoder_class(), job["cases"]))
     Path(f"{job_file}.{tp.rank}").write_bytes(pickle.dumps(out))
     shutdown()
 
@@ -254,6 +259,34 @@ def _serve_pattern(model, make):
     distributed.lead(dec)                         # wrapped outside the graphs, as engine.graphs' docs say
     out["graphed"] = ([r.token_ids for r in dec.generate(PROMPTS)], graphed.stats["captures"])
     return out
+
+
+def _live_cases(n: int, seed: int) -> list:
+    """`n` random continuous batches: (options, schedule [(prompt index, gen length, step)], max rows)
+    over methods whose joins differ (windows, plans, drafts) and every cache mode."""
+    import random
+
+    rnd = random.Random(seed)
+    methods = [dict(method="confidence"), dict(method="psd", depth=3), dict(method="ete"), dict(method="ete", k=2),
+               dict(method="psd", depth=2, cross_block=True), dict(method="psd", depth=2, draft_budget="auto")]
+    out = []
+    for _ in range(n):
+        m = rnd.choice(methods)
+        cache = "none" if m.get("cross_block") else rnd.choice(["none", "prefix", "dual"])
+        sched = sorted(((i, 4 * rnd.randint(1, 4), rnd.randrange(0, 8)) for i in rnd.sample(range(len(LIVE_PROMPTS)),
+                                                                                             rnd.randint(2, 4))),
+                       key=lambda s: s[2])
+        out.append(({**GEN, "cache": cache, **m}, sched, rnd.choice([None, 2, 3])))
+    return out
+
+
+def _live_runs(model, make, cases) -> list:
+    """Each case's sequences' tokens (by prompt index) from a continuous batch of `make` decoders."""
+    from engine.config import DecodeConfig
+    from support import run_live
+
+    return [{i: r.token_ids for i, r in run_live(make(model, DecodeConfig(**cfg)), LIVE_PROMPTS, sched,
+                                                 max_rows=rows).done.items()} for cfg, sched, rows in cases]
 
 
 def _follow_job(job, tp):
@@ -336,6 +369,21 @@ def test_rank0_leads_and_the_others_follow(ckpts, tmp_path):
     assert follower.pop("held") == 0 and follower.pop("built GraphedCall") == 1, follower
     assert {k: follower.get(k, 0) for k in lead["sent"]} == lead["sent"], (follower, lead["sent"])
     assert lead["sent"].get("joined", 0) > 0 and lead["sent"].get("widen", 0) > 0   # rows joined open blocks
+
+
+def test_random_continuous_batches_under_tensor_parallelism(ckpts, tmp_path):
+    """Rows joining open blocks under tensor parallelism (the block's cache widened and joined on
+    every rank), over random schedules of mixed lengths, methods and caches: every sequence's tokens
+    equal one process's, and rank 1 ran exactly the messages rank 0 sent."""
+    from engine.loop import Decoder
+
+    cases = _live_cases(12, seed=13)
+    path = ckpts["llada"]
+    lead, follower = _launch({"kind": "live_random", "ckpt": path, "cases": cases}, tmp_path)
+    assert lead["out"] == _live_runs(load_model(path, dtype="float64"), Decoder, cases)
+    assert follower.pop("held") == 0
+    assert {k: follower.get(k, 0) for k in lead["sent"]} == lead["sent"], (follower, lead["sent"])
+    assert lead["sent"].get("joined", 0) > 0 and lead["sent"].get("widen", 0) > 0
 
 
 # ---------------------------------------------------------------------- (c) sharded loading, in one process
