@@ -65,8 +65,7 @@ class NoCache:
         if self.packs(win, N):
             logits, kvs, first = self._packed(x, valid, pos, win, return_kv)
             if kvs is not None:    # each canvas column's packed one (outside a row's span: invisible keys)
-                back = (torch.arange(N, device=x.device) - first[:, None]).clamp(0, win.span - 1)
-                kvs = [tuple(_columns(t, back) for t in kv) for kv in kvs]
+                kvs = _packed_at(kvs, torch.arange(N, device=x.device) - first[:, None], win.span)
             return logits, kvs
         idx = torch.arange(N, device=x.device)
         return self.model(x, pos, win.mask(self.mc, valid, idx, idx), out_start=win.lo - self.mc.logit_shift,
@@ -131,8 +130,7 @@ class PrefixCache(NoCache):
         key_mask = win.mask(self.mc, valid, probe, idx)[:, 0, 0]
         if self.packs(win, N):       # the cached columns taken from the packed call's keys, not the whole canvas first
             logits, kvs, first = self._packed(x, valid, pos, win, True)
-            back = (idx[None] - first[:, None]).clamp(0, win.span - 1)
-            kvs, spans = [tuple(_columns(t, back) for t in kv) for kv in kvs], [(0, idx.numel())]
+            kvs, spans = _packed_at(kvs, idx[None] - first[:, None], win.span), [(0, idx.numel())]
         else:
             logits, kvs = self._full(x, valid, pos, win, True)
             spans = self.cached_spans(win, N)
@@ -206,8 +204,7 @@ class DualCache(PrefixCache):
         col = torch.where(j < pre, j, j - pre + (win.hi - first)[:, None])
         probe = torch.full((x.shape[0], 1), win.lo, device=x.device)   # any block query: visibility is query-independent
         key_mask = win.mask(self.mc, valid, probe, first[:, None] + col)[:, 0, 0]
-        cache = self.store.write([tuple(_columns(t, col.clamp(0, win.span - 1)) for t in kv) for kv in kvs],
-                                 [(0, C)], key_mask, C)
+        cache = self.store.write(_packed_at(kvs, col, win.span), [(0, C)], key_mask, C)
         self.packed = True
         return logits, cache
 
@@ -229,6 +226,13 @@ class DualCache(PrefixCache):
         if self.mc.attention != "bidirectional":   # the suffix is invisible to a context-causal block
             return prefix
         return prefix + [(win.hi, n)]
+
+
+def _packed_at(kvs, cols: torch.Tensor, span: int) -> list:
+    """Every layer's packed keys/values at packed columns `cols` [R, C] of each row (clamped into the
+    row's `span` columns: a column outside it is one of its invisible keys)."""
+    cols = cols.clamp(0, span - 1)
+    return [tuple(_columns(t, cols) for t in kv) for kv in kvs]
 
 
 def _columns(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
