@@ -112,12 +112,15 @@ class Sampler:
         if self.per_row:
             if gens is None or len(gens) != logits.shape[0]:
                 raise ValueError(f"--sampler row draws per row: {logits.shape[0]} rows need as many generators")
-            u = torch.full(logits.shape, 0.5, device=logits.device, dtype=torch.float64)
-            for r, g in enumerate(gens):
-                if g is None:                 # a filler canvas: drawn from no sequence's generator
-                    continue
-                w = logits.shape[1] if widths is None else widths[r]
-                torch.rand((w, logits.shape[2]), generator=g, device=logits.device, dtype=torch.float64, out=u[r, :w])
+            u = torch.empty(logits.shape, device=logits.device, dtype=torch.float64)
+            W = logits.shape[1]
+            for r, g in enumerate(gens):     # g None: a filler canvas, drawn from no sequence's generator
+                w = 0 if g is None else W if widths is None else widths[r]
+                if w:
+                    torch.rand((w, logits.shape[2]), generator=g, device=logits.device, dtype=torch.float64,
+                               out=u[r, :w])
+                if w < W:                    # columns nothing is drawn for: any finite noise (never read)
+                    u[r, w:] = 0.5
         else:
             u = torch.rand(logits.shape, generator=self.gen, device=logits.device, dtype=torch.float64)
         g = u.clamp_min_(1e-300).log_().neg_().log_().neg_()
