@@ -127,10 +127,8 @@ def run_static(dec_for, load: Load, clients: int, max_batch: int, meter: Meter |
         batch = [w for w in waiting if load.request(w[0])[1] == g][:max_batch]
         waiting = [w for w in waiting if w not in batch]
         first = [None] * len(batch)
-        calls = None if meter is None else meter.calls
+        calls = meter.calls if meter is not None else 0
         for u in dec_for(g).stream([load.request(i)[0] for i, _ in batch]):
-            if meter is not None:          # every sequence of a static batch holds its row to the end
-                meter.held, calls = meter.held + len(batch) * (meter.calls - calls), meter.calls
             now = time.perf_counter()
             first = [f if f is not None or not piece else now for f, piece in zip(first, u.pieces)]
             if u.results is not None:
@@ -139,6 +137,8 @@ def run_static(dec_for, load: Load, clients: int, max_batch: int, meter: Meter |
                     if nxt < load.total:
                         waiting.append((nxt, time.perf_counter()))
                         nxt += 1
+        if meter is not None:              # every sequence of a static batch holds its row to the end
+            meter.held += len(batch) * (meter.calls - calls)
     return out
 
 
