@@ -50,11 +50,16 @@ class LiveUpdate:
 class LiveBatch:
     """A running batch over one `Decoder`: `add` queues a sequence, `step` runs one model call."""
 
-    def __init__(self, decoder, max_rows: int | None = None):
+    def __init__(self, decoder, max_rows: int | None = None, rolling: bool | None = None):
+        """`rolling`: rows keep their own block cursors (`Decoder.start`); default where the decoder
+        can (`Decoder.rolls`)."""
         if max_rows is not None and max_rows < 1:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
         check_batchable(decoder.mc)
         self.dec, self.max_rows = decoder, max_rows
+        if rolling and not decoder.rolls:
+            decoder.start([], rolling=True)                    # the InputError that says why
+        self.rolling = decoder.rolls if rolling is None else rolling
         self.waiting: list[tuple[int, list[int], int, int | None]] = []   # (handle, prompt ids, gen length, seed)
         self.handles: list[int] = []                             # the batch's rows, in order
         self.joined: dict[int, float] = {}
@@ -85,7 +90,9 @@ class LiveBatch:
             self.waiting = [w for w in self.waiting if w[0] != handle]
         elif handle in self.handles:
             self.cancelled.add(handle)
-            if self.state is not None and self.state.run is not None:     # out of the open block's next calls
+            if self.state is not None and self.state.rolling:               # its row leaves now
+                self._release([self.handles.index(handle)])
+            elif self.state is not None and self.state.run is not None:     # out of the open block's next calls
                 self.dec.leave(self.state, [self.handles.index(handle)])
 
     @property
@@ -116,7 +123,7 @@ class LiveBatch:
                     update, self._ended = self._ended, LiveUpdate()
                     return update
             elif self.waiting and self._room() > 0 and self.dec.joins_inside_a_block and \
-                    (out := self._admit(time.perf_counter(), inside=True)) is not None:
+                    (out := self._admit(time.perf_counter(), inside=True)):
                 break                                            # they joined the open block: their first call
             if out := self.dec.step(self.state):
                 break
@@ -130,6 +137,8 @@ class LiveBatch:
                 if e and h not in self.answered and h not in self.cancelled]
         if over:
             self._answer(self.state.batch, self.state.run, over, update)
+            if self.state.rolling:              # their rows leave now: the room is the next sequence's
+                self._release(over)
         return update
 
     def _answer(self, batch: Batch, run, rows: list[int], update: LiveUpdate) -> None:
@@ -187,7 +196,7 @@ class LiveBatch:
         seeds = None if all(s is None for s in seeds) else seeds
         out = None
         if self.state is None:
-            self.state = self.dec.start(prompts, lengths, live=True, seeds=seeds)
+            self.state = self.dec.start(prompts, lengths, live=True, seeds=seeds, rolling=self.rolling)
         else:
             out = self.dec.join(self.state, prompts, lengths, seeds=seeds)
         for h, *_ in joining:
@@ -210,11 +219,15 @@ class LiveBatch:
             secs = [now - self.joined[self.handles[b]] for b in finished]
             for b, res in zip(finished, self.dec.results(self.state, finished, secs)):
                 self._report(b, res, self._ended)
-        for b in out:
+        self._release(out)
+
+    def _release(self, rows: list[int]) -> None:
+        """Batch rows `rows` leave (`Decoder.leave`), their handles forgotten."""
+        for b in rows:
             h = self.handles[b]
             self.joined.pop(h, None)
             self.cancelled.discard(h), self.answered.discard(h)
-        self.handles = [h for b, h in enumerate(self.handles) if b not in set(out)]
-        self.dec.leave(self.state, out)
+        self.handles = [h for b, h in enumerate(self.handles) if b not in set(rows)]
+        self.dec.leave(self.state, rows)
         if self.state.batch is None:
             self.state = None

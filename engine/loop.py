@@ -125,28 +125,34 @@ class Decoder:
             return None
         x, valid, pos = batch.x[seqs], batch.valid[seqs], batch.pos[seqs]
         gens = Sampler.rows_of(batch.gens, seqs)                                            # --sampler row
-        pred, conf, top, ahead, cache, fresh, step = self._first_output(batch, seqs, x, valid, pos, win, gens)
-        S, dev = seqs.numel(), x.device
-        span = slice(lo, lo + win.width + win.ahead)            # --cross-block: drafts reach the next block
-
-        def zeros(dtype=torch.long):
-            return torch.zeros(S, dtype=dtype, device=dev)
-
-        run = BlockRun(
-            index=index, seqs=seqs, win=win, gen_start=batch.gen_start[seqs], x=x, valid=valid, pos=pos,
-            cache=cache, pred=pred, conf=conf,
-            calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
-            pending=zeros(torch.bool) | True, commits=batch.commits.take(seqs, span),
-            depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
-            nodes_hist=batch.nodes_hist[seqs], plan=self.full_plan if plan is None else plan,
-            ahead_pred=ahead[0], ahead_conf=ahead[1],
-            carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
-            policy_state=None if batch.policy_state is None else batch.policy_state.take(seqs, span), top=top,
-            post=zeros() if self.policy.edits else None, gens=gens)
+        out = self._first_output(batch, seqs, x, valid, pos, win, gens)
+        run = self._block_rows(batch, seqs, (x, valid, pos), win, index, self.full_plan if plan is None else plan,
+                               out, gens)
         if self.budget is not None and plan is None:      # the nodes worth verifying in this block (one read)
             run.plan = self.budget.plan(run, lambda rows: psd_kernels.top1(self.cache_mode.call(   # no RNG draw
                 run.x[rows], run.valid[rows], run.pos[rows], win, run.cache, rows), self.mc.mask_token_id))
         return run
+
+    def _block_rows(self, batch: Batch, seqs, canvas, win: Window, index: int, plan, out, gens) -> BlockRun:
+        """The open block's run of batch rows `seqs` (`canvas`: their x, valid, pos), from their first
+        output `out` (`_first_output`'s)."""
+        pred, conf, top, ahead, cache, fresh, step = out
+        S, dev = seqs.numel(), batch.x.device
+        span = slice(win.lo, win.lo + win.width + win.ahead)            # --cross-block: drafts reach the next block
+
+        def zeros(dtype=torch.long):
+            return torch.zeros(S, dtype=dtype, device=dev)
+
+        return BlockRun(
+            index=index, seqs=seqs, win=win, gen_start=batch.gen_start[seqs], x=canvas[0], valid=canvas[1],
+            pos=canvas[2], cache=cache, pred=pred, conf=conf,
+            calls=batch.calls[seqs] + fresh, rows=batch.rows[seqs] + fresh, step=step, stop_at=zeros() - 1,
+            pending=zeros(torch.bool) | True, commits=batch.commits.take(seqs, span),
+            depth_hist=batch.depth_hist[seqs], failed=zeros(), failed_call=zeros() - 1,
+            nodes_hist=batch.nodes_hist[seqs], plan=plan, ahead_pred=ahead[0], ahead_conf=ahead[1],
+            carry=zeros(torch.bool), ahead_step=zeros(), ahead_ok=fresh.bool(),
+            policy_state=None if batch.policy_state is None else batch.policy_state.take(seqs, span), top=top,
+            post=zeros() if self.policy.edits else None, gens=gens, first=zeros(torch.bool))
 
     def _first_output(self, batch: Batch, seqs, x, valid, pos, win, gens=None):
         """The block's first output (pred, conf [S, W], top [S, W, k, 2] or None), its next-block
@@ -258,15 +264,21 @@ class Decoder:
         canvases[:, run.win.lo:run.win.lo + E] = drafts.reshape(-1, E)[pair]
         return pair[:A * K] if self.dc.static_rows else pair, seq_rows, canvases
 
-    def _verify(self, run: BlockRun, act: torch.Tensor, drafts, in_node, valid) -> None:
+    def _verify(self, run: BlockRun, act: torch.Tensor, drafts, in_node, valid, new=None) -> None:
         """Stage 3: one batched call over every valid draft of every active row, then each row
-        keeps the draft its method's selection accepts, with that draft's verifier output."""
+        keeps the draft its method's selection accepts, with that draft's verifier output. `new`:
+        rolling rows whose block's first call this one is too."""
         A, K, E = drafts.shape                  # E = W, or W + L where drafts reach the next block
         win, dev, W = run.win, drafts.device, run.win.width
         pair, seq_rows, canvases = self._canvases(run, act, drafts, valid)
+        n = len(seq_rows)
+        if new is not None:                     # rolling rows: their blocks' first calls ride on this one
+            seq_rows, canvases = torch.cat((seq_rows, new)), torch.cat((canvases, run.x[new]))
         logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
         gens = Sampler.rows_of(run.gens, seq_rows, A * K if self.dc.static_rows else None)     # --sampler row
         pred, conf, top = self.sampler.predict(logits, run.gen_start[seq_rows], win.lo, gens, run.valid[seq_rows])
+        if new is not None:
+            self._first_calls(run, new, (pred[n:], conf[n:], None if top is None else top[n:]))
         vpred = torch.zeros(A * K, E, dtype=pred.dtype, device=dev).index_copy_(0, pair, pred[:len(pair), :E]).view(A, K, E)
         vconf = torch.zeros(A * K, E, dtype=conf.dtype, device=dev).index_copy_(0, pair, conf[:len(pair), :E]).view(A, K, E)
         best, best_step, accepted = run.plan.select(drafts, in_node, valid, vpred, vconf, run.step[act], width=W,
@@ -298,17 +310,23 @@ class Decoder:
 
     # ------------------------------------------------------------------ the step
     def start(self, prompts, gen_lengths: list[int] | None = None, live: bool = False,
-              seeds: list | None = None) -> BatchState:
+              seeds: list | None = None, rolling: bool = False) -> BatchState:
         """A running batch of `prompts` (token-id lists; `gen_lengths`: one per prompt, default the
         config's), each checked; nothing is decoded until `step`. `live`: rows may join later
         (`join`; continuous batching, engine.live). `seeds`: each prompt's sampling seed with
-        `--sampler row` (None, or None for a prompt: the config's seed + its row)."""
+        `--sampler row` (None, or None for a prompt: the config's seed + its row). `rolling`: rows
+        keep their own block cursors (`rolls` says where they can): a row done with its block starts
+        its next one with the next call, so the block closes (a boundary) only when every row is
+        done; joins ride on the next call; leaves are at once (docs/loop.md, "Rolling rows")."""
+        if rolling and not self.rolls:
+            raise InputError("rolling rows need cache none on a masked model without ETE, --cross-block, "
+                             "--draft-budget auto, --static-rows, --cuda-graphs or a trace (Decoder.rolls)")
         checked = [check_prompts(self.mc, self.dc, [p], gen_length=g)[0] for p, g in zip(prompts, gen_lengths)] \
             if gen_lengths else self.check_prompts(prompts)
         if seeds is not None and len(seeds) != len(prompts):
             raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        return BatchState(self._new_batch(checked, gen_lengths, seeds), live=live, t0=time.perf_counter(),
-                          sent=[0] * len(checked))
+        return BatchState(self._new_batch(checked, gen_lengths, seeds), live=live, rolling=rolling,
+                          t0=time.perf_counter(), sent=[0] * len(checked))
 
     def step(self, state: BatchState) -> StepOutput:
         """Advance `state` to its next model call and make it: the first call of the block at the
@@ -342,8 +360,13 @@ class Decoder:
                 self.cache_mode.release()       # the batch is over: its KV memory goes (engine/kvstore.py)
             return False
         masked = self._commit(run)
-        act = run.pending.nonzero()[:, 0]                # one small read-back per step
-        if act.numel() == 0:
+        new = None
+        if state.rolling:                                # rows done with their block go on to their next
+            act, new, masked = self._roll(state, masked)
+            batch = state.batch
+        else:
+            act = run.pending.nonzero()[:, 0]            # one small read-back per step
+        if act.numel() == 0 and new is None:
             self._close_block(batch, run)
             batch.cursor += L
             state.run = None
@@ -354,9 +377,113 @@ class Decoder:
             self.trace(run.seqs[act], run.index, run.step[act] - 1, rank_of(key.float(), masked[act]), run.pred[act])
         if self.uniform is not None:          # the next step's call (no drafts: docs/algorithms.md §9)
             self.uniform.call(run, act)
+        elif act.numel() == 0:                # rolling rows only: their blocks' first call
+            self._first_calls(run, new)
         else:
-            self._verify(run, act, *self._draft(run, act, masked))
+            self._verify(run, act, *self._draft(run, act, masked), new=new)
         return True
+
+    # ------------------------------------------------------------------ rolling rows (docs/loop.md)
+    @property
+    def rolls(self) -> bool:
+        """Do the rows of a live batch keep their own block cursors ("Rolling rows", docs/loop.md): a
+        row done with its block starts its next one in the next call instead of idling until the
+        block's slowest row? With cache mode none on a masked model, one block per window (not ETE,
+        not --cross-block), one plan for every block (not --draft-budget auto), calls of the rows
+        there are (not --static-rows, --cuda-graphs) and no trace."""
+        dc = self.dc
+        return (self.uniform is None and dc.cache == "none" and dc.window_blocks == 1 and not dc.cross_block
+                and self.budget is None and not dc.static_rows and not dc.cuda_graphs and self.trace is None)
+
+    def _roll(self, state: BatchState, masked: torch.Tensor):
+        """After stage 1 of a rolling batch: the open block's rows that are done with their block and
+        have another are settled and scrolled one block left (`Batch.scroll`), so that block is at
+        the window, and await its first call. Returns (rows that verify drafts, rows awaiting their
+        first call or None, the window's masks [S, W]); raises a row's failure at once."""
+        run, batch, L = state.run, state.batch, self.dc.block_length
+        more = (batch.gen_start + batch.gen_len)[run.seqs] > run.win.lo + L
+        roll = ~run.pending & ~run.first & (run.stop_at < 0) & (run.failed == 0) & more
+        S = run.seqs.numel()
+        *flags, failed = torch.cat((roll, run.pending, run.first, (run.failed > 0).any()[None])).tolist()  # one read
+        if failed:
+            raise_failure(run)
+        rows = [i for i in range(S) if flags[i]]
+        if rows:
+            at = torch.tensor(rows, device=run.x.device)
+            seqs = run.seqs[at]
+            self.settle(batch, run, at)
+            first = int(batch.valid[seqs].to(torch.uint8).argmax(1).min())        # room for them on the left?
+            pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
+            if first < L:
+                state.batch = batch = batch.shift(L - first, 0, pos)
+                self._reframe(run, batch, L - first, 0)
+            batch.scroll(seqs, L, pos)
+            run.put(rows, self._awaiting(batch, seqs, run))
+            masked = run.block() == self.mc.mask_token_id
+        dev = run.x.device
+        act = torch.tensor([i for i in range(S) if flags[S + i]], dtype=torch.long, device=dev)
+        new = [i for i in range(S) if flags[2 * S + i]] + rows
+        return act, torch.tensor(new, device=dev) if new else None, masked
+
+    def _awaiting(self, batch: Batch, seqs: torch.Tensor, run: BlockRun) -> BlockRun:
+        """Run rows of batch rows `seqs` at the open block's window with no call yet (`BlockRun.first`)."""
+        S, W = seqs.numel(), run.win.width
+        none = torch.zeros(S, dtype=torch.long, device=seqs.device)
+        top = None if run.top is None else run.top.new_zeros(S, *run.top.shape[1:])
+        out = run.pred.new_zeros(S, W), run.conf.new_zeros(S, W), top, (None, None), None, none, none
+        rows = self._block_rows(batch, seqs, (batch.x[seqs], batch.valid[seqs], batch.pos[seqs]), run.win,
+                                run.index, run.plan, out, Sampler.rows_of(batch.gens, seqs))
+        rows.pending.zero_()
+        rows.first.fill_(True)
+        return rows
+
+    def _first_calls(self, run: BlockRun, new: torch.Tensor, out=None) -> None:
+        """Rolling rows `new` take their block's first output: `out` (pred, conf, top), their part of a
+        call that verified other rows' drafts, or (None) a call of their own."""
+        if out is None:
+            logits = self.cache_mode.call(run.x[new], run.valid[new], run.pos[new], run.win, run.cache, new)
+            out = self.sampler.predict(logits, run.gen_start[new], run.win.lo, Sampler.rows_of(run.gens, new),
+                                       run.valid[new])
+        pred, conf, top = out
+        run.pred[new], run.conf[new] = pred[:, :run.win.width], conf[:, :run.win.width]
+        if top is not None:
+            run.top[new] = top
+        run.calls[new] += 1
+        run.rows[new] += 1
+        run.first[new], run.pending[new] = False, True
+
+    def _reframe(self, run: BlockRun, batch: Batch, left: int, right: int) -> None:
+        """Rolling rows (no cache): the open block's rows on `batch`'s canvas, which gained `left`
+        columns before its first and `right` after its last (lost, where negative)."""
+        run.x = pad_columns(run.x, left, right, batch.pad_id)
+        run.valid, run.pos, run.gen_start = batch.valid[run.seqs], batch.pos[run.seqs], batch.gen_start[run.seqs]
+        run.stop_at = torch.where(run.stop_at >= 0, run.stop_at + left, run.stop_at)
+        run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left,
+                                      span=batch.span)
+
+    def _drop(self, state: BatchState, rows: list[int]) -> None:
+        """Rolling rows: batch rows `rows` leave the open block and the batch at once (no cache rows
+        to keep); the canvas is trimmed. No row left in the block: the state is at a boundary."""
+        batch, run, gone = state.batch, state.run, set(rows)
+        keep = [b for b in range(batch.x.shape[0]) if b not in gone]
+        state.sent = [state.sent[b] for b in keep]
+        if not keep:
+            state.batch = state.run = None
+            return
+        dev = batch.x.device
+        index = torch.full((batch.x.shape[0],), -1, dtype=torch.long, device=dev)
+        index[torch.tensor(keep, device=dev)] = torch.arange(len(keep), device=dev)
+        stay = [i for i, b in enumerate(run.seqs.tolist()) if b not in gone]
+        run = run.take(torch.tensor(stay, dtype=torch.long, device=dev))
+        run.seqs = index[run.seqs]
+        batch = batch.take(torch.tensor(keep, device=dev))
+        left, right, span = batch.trim_shift()
+        state.batch = batch = batch.shift(left, right, lambda valid: position_ids(self.mc, valid))
+        batch.span = span
+        state.run = None
+        if stay:
+            self._reframe(run, batch, left, right)
+            state.run = run
 
     @property
     def joins_inside_a_block(self) -> bool:
@@ -387,7 +514,8 @@ class Decoder:
         others' current (or next) block is (`engine.state.join` pads whichever side is shorter).
         At a block boundary that is all; inside an open block (`joins_inside_a_block`) the new rows
         take their block's first call now — one model call of the new rows — and then step with
-        the others. Returns a `StepOutput` as `step` does (`called`: that first call was made)."""
+        the others (rolling rows, `rolls`: that call rides on the next step's). Returns a
+        `StepOutput` as `step` does (`called`: that first call was made)."""
         new = self.start(prompts, gen_lengths, seeds=seeds).batch
         if not self._fits(state, new.x.shape[1] - new.cursor):       # refused: the state is as it was
             raise InputError("these rows join this running batch at a block boundary (state.run is open; "
@@ -401,9 +529,13 @@ class Decoder:
         old, run = state.batch, state.run
         merged = join(old, new, pos)                # no trimming while the block is open: its columns stay
         left = merged.cursor - old.cursor
-        self._widen(run, merged, left, merged.x.shape[1] - old.x.shape[1] - left)
-        state.batch = merged
         rows = torch.arange(old.x.shape[0], merged.x.shape[0], device=merged.x.device)
+        state.batch = merged
+        if state.rolling:                           # their first call rides on the next step's
+            self._reframe(run, merged, left, merged.x.shape[1] - old.x.shape[1] - left)
+            state.run = run.joined(self._awaiting(merged, rows, run))
+            return StepOutput(state, False, self.mc.mask_token_id)
+        self._widen(run, merged, left, merged.x.shape[1] - old.x.shape[1] - left)
         with self.cache_mode.appending(run.cache):      # their cache rows go after the open block's
             fresh = self._open_block(merged.take(rows), plan=run.plan)     # the new rows' first call
         if fresh is not None:
@@ -437,6 +569,10 @@ class Decoder:
         they take no further call, in this block or any later one (a caller may drop them at the next
         boundary; their results stay what was settled)."""
         state.version += 1
+        if state.run is not None and state.rolling:
+            if rows:
+                self._drop(state, rows)
+            return
         if state.run is not None:
             if not rows:
                 return

@@ -185,7 +185,8 @@ def ended_rows(batch, run) -> torch.Tensor:
         return (batch.stop_at >= 0) | (batch.gen_start + batch.gen_len <= batch.cursor)
     ended = torch.zeros_like(batch.stop_at, dtype=torch.bool)
     last = (batch.gen_start + batch.gen_len)[run.seqs] <= run.win.lo + run.win.block_length
-    ended[run.seqs] = ~run.pending & (run.failed == 0) & ((run.stop_at >= 0) | last)
+    over = ~run.pending & (run.failed == 0) & ((run.stop_at >= 0) | last)
+    ended[run.seqs] = over if run.first is None else over & ~run.first    # (a rolling row awaiting its block's call)
     return ended
 
 

@@ -169,15 +169,35 @@ class Batch:
         kw["commits"] = self.commits.shift(left, right)
         return Batch(**kw)
 
-    def trimmed(self, position_ids) -> "Batch":
-        """Without the columns before every row's first valid one and after every row's last
-        generated one (a running batch does not grow without bound)."""
+    def trim_shift(self) -> tuple[int, int, int]:
+        """(left, right, span): the `shift` that removes the columns before every row's first valid
+        one and after every row's last generated one, and the rows' exact span (one read)."""
         starts = self.valid.to(torch.uint8).argmax(1)          # each row's first valid column
         ends = self.gen_start + self.gen_len
         first, last, span = torch.stack((starts.min(), ends.max(), (ends - starts).max())).tolist()   # one read
-        trimmed = self.shift(-min(first, self.cursor), -(self.x.shape[1] - last), position_ids)
+        return -min(first, self.cursor), -(self.x.shape[1] - last), span
+
+    def trimmed(self, position_ids) -> "Batch":
+        """Without the columns before every row's first valid one and after every row's last
+        generated one (a running batch does not grow without bound)."""
+        left, right, span = self.trim_shift()
+        trimmed = self.shift(left, right, position_ids)
         trimmed.span = span                   # exact again (rows that left may have been the longest)
         return trimmed
+
+    def scroll(self, rows: torch.Tensor, by: int, position_ids) -> None:
+        """Rows `rows` moved `by` columns left on the canvas (their first `by` columns are padding),
+        every per-column record with them: how a rolling row's next block comes to the open block's
+        window (docs/loop.md, "Rolling rows")."""
+        for name, fill in self._columns():
+            v = getattr(self, name)
+            v[rows] = pad_columns(v[rows], -by, by, fill)
+        self.pos = position_ids(self.valid)
+        self.gen_start[rows] -= by
+        self.stop_at[rows] = torch.where(self.stop_at[rows] >= 0, self.stop_at[rows] - by, self.stop_at[rows])
+        self.commits.put(self.commits.take(rows).shift(-by, by), rows)
+        if self.policy_state is not None:
+            self.policy_state.put(rows, self.policy_state.take(rows).shift(-by, by))
 
 
 def join(a: Batch, b: Batch, position_ids) -> Batch:
@@ -237,9 +257,41 @@ class BlockRun:
                                              # block after its last mask was filled; None without editing
     noise: object = None                     # uniform-noise models: the block's denoising state (uniform.Canvas)
     gens: list | None = None                 # --sampler row: each row's sampling generator (Batch.gens)
+    first: torch.Tensor | None = None        # [S] bool: the row's block has had no call yet (rolling rows,
+                                             # `Decoder.start(live=True)`: its first call rides on the next one)
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
+
+    def take(self, rows: torch.Tensor) -> "BlockRun":
+        """The run of rows `rows` (indices) only, on the same cache (a mode without one: rolling rows)."""
+        kw = {}
+        for f in dataclasses.fields(self):
+            a = getattr(self, f.name)
+            if f.name in ("index", "win", "plan", "cache") or a is None:
+                kw[f.name] = a
+            elif isinstance(a, list):                   # --sampler row: the rows' generators
+                kw[f.name] = [a[i] for i in rows.tolist()]
+            else:
+                kw[f.name] = a[rows] if isinstance(a, torch.Tensor) else a.take(rows)   # Commits, PolicyState
+        return BlockRun(**kw)
+
+    def put(self, rows: list[int], other: "BlockRun") -> None:
+        """Rows `rows` (indices) become `other`'s rows (the same block window and plan)."""
+        at = torch.tensor(rows, device=self.x.device)
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in ("index", "win", "plan", "cache") or a is None:
+                continue
+            if isinstance(a, list):
+                for i, r in enumerate(rows):
+                    a[r] = b[i]
+            elif isinstance(a, torch.Tensor):
+                a[at] = b.to(a.dtype)
+            elif isinstance(a, Commits):
+                a.put(b, at)
+            else:
+                a.put(at, b)                            # PolicyState
 
     def joined(self, other: "BlockRun", cache=None) -> "BlockRun":
         """These rows, then `other`'s (the same block, window and plan: rows that opened the block
@@ -279,6 +331,7 @@ class BatchState:
     run: BlockRun | None = None
     live: bool = False           # rows may join later (continuous batching): `step` stops at every block
                                  # boundary, even one with no row to decode, and never ends the batch itself
+    rolling: bool = False        # rows keep their own block cursors (`Decoder.start(rolling=True)`)
     done: bool = False           # nothing left to decode (set by `step` when not live)
     t0: float = 0.0              # when the batch started (perf_counter), for results' seconds
     sent: list[int] = dataclasses.field(default_factory=list)   # per batch row: generated tokens handed
