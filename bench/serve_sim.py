@@ -8,7 +8,9 @@ of the held-out math questions asks for the i-th of `--max-tokens`, cyclically).
 the server's default, one `engine.live.LiveBatch` (at most `--max-batch` rows) that requests of every
 length join between two model calls; *by-length* (`--modes ... by-length`): as the server with
 `--batch-by-length`, a `LiveBatch` per generation length, taking turns one call each, at most
-`--max-batch` rows in all;
+`--max-batch` rows in all; *one-cursor* (`--modes ... one-cursor`): continuous with every row of a
+running batch on one block cursor (`LiveBatch(rolling=False)`: where the cache mode lets rows roll,
+what rolling rows gain, docs/loop.md);
 *static*: as `--batching static`, the first waiting request and every waiting one of its length (up
 to `--max-batch`) decoded together from start to end (`Decoder.stream`); *serial* (`--modes ...
 serial`): one request at a time, which computes each request's own columns only (no padding at
@@ -17,7 +19,8 @@ count, the modes run one after the other, alternating which goes first each roun
 both see the same machine; rounds are pooled. Reported per cell: requests/s by wall time and by the
 process's CPU time (one thread: on a shared machine CPU time leaves the neighbours out), p50 latency
 and time to first token (the first model call that makes one of its tokens final), model calls and
-token-columns computed per request (rows × columns of every forward pass: what a CPU pays for), and
+token-columns computed per request (rows × columns of every forward pass, or its real positions where
+it runs on those only, `--unpad`: what a CPU pays for), and
 whether every request's tokens are equal across modes. The last line is one JSON object.
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ._common import versions
 from .eval import parse_method
 from .serve_load import pct, prompts
 
-MODES = ("continuous", "static", "serial", "by-length")
+MODES = ("continuous", "static", "serial", "by-length", "one-cursor")
 
 
 class Meter:
@@ -51,7 +54,8 @@ class Meter:
         def counted(ids, *a, **k):
             self.calls += 1
             self.rows += ids.shape[0]
-            self.columns += ids.shape[0] * ids.shape[1]
+            real = k.get("tokens")          # a call on its real positions only (models.Tokens): those
+            self.columns += ids.shape[0] * ids.shape[1] if real is None else real.index.numel()
             return forward(ids, *a, **k)
 
         model.forward = counted
@@ -71,7 +75,7 @@ class Load:
 
 
 def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length: bool = False,
-                   meter: Meter | None = None) -> dict:
+                   meter: Meter | None = None, rolling: bool | None = None) -> dict:
     """As the server's continuous scheduler: one running `LiveBatch` for every length (with
     `by_length`, --batch-by-length: one per generation length, taking turns one model call each); at
     most `max_batch` rows in all of them, a request beyond that waiting (oldest first) for a row."""
@@ -86,7 +90,7 @@ def run_continuous(dec_for, load: Load, clients: int, max_batch: int, by_length:
             p, g, mt = load.request(i)
             key = g if by_length else 0
             if key not in lives:
-                lives[key] = LiveBatch(dec_for(g if by_length else None), max_rows=max_batch)
+                lives[key] = LiveBatch(dec_for(g if by_length else None), max_rows=max_batch, rolling=rolling)
                 turn.append(key)
             info[key, lives[key].add(p, g)] = [i, mt, t, None]
 
@@ -149,8 +153,9 @@ def measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: i
     decs = {}
     dec_for = lambda g: decs.setdefault(g, Decoder(model, DecodeConfig(**config) if g is None else  # noqa: E731
                                                    DecodeConfig(**{**config, "gen_length": g})))
-    if mode in ("continuous", "by-length"):
-        out = run_continuous(dec_for, load, clients, max_batch, by_length=mode == "by-length", meter=meter)
+    if mode in ("continuous", "by-length", "one-cursor"):
+        out = run_continuous(dec_for, load, clients, max_batch, by_length=mode == "by-length", meter=meter,
+                             rolling=False if mode == "one-cursor" else None)
     else:
         out = run_static(dec_for, load, clients, max_batch, meter=meter)
     return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "calls": meter.calls,
@@ -174,6 +179,7 @@ def run(args) -> int:
     set_threads(args.threads)     # and the C allocator, as engine.generate
     tok = Tokenizer(args.model)
     model = load_model(args.model, args.dtype, "cpu")
+    model.unpad = {"auto": None, "on": True, "off": False}[args.unpad]
     meter = Meter(model)
     name, opts = parse_method(args.method)
     rows = []
@@ -197,6 +203,7 @@ def run(args) -> int:
                          "ratio_p50_ttft": cell["continuous"]["p50_ttft"] / cell["static"]["p50_ttft"]})
     print_table(rows, args.modes)
     print(json.dumps({"method": args.method, "max_tokens": args.max_tokens, "max_batch": args.max_batch,
+                      "unpad": args.unpad,
                       "rounds": args.rounds, "threads": args.threads, "dtype": args.dtype, **versions(),
                       "rows": rows}))
     return 0
@@ -231,6 +238,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=thread_count, default=32)
     p.add_argument("--block-length", type=thread_count, default=32)
     p.add_argument("--rounds", type=thread_count, default=2)
+    p.add_argument("--unpad", default="auto", choices=("auto", "on", "off"),
+                   help="whole-canvas calls on real positions only (Transformer.unpads; auto: on a CPU)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     add_threads_flag(p, "torch CPU threads (default 1: CPU time then measures one core)")
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models import attention_mask
+from models import Tokens, attention_mask
 
 from .kvstore import KVStore, join_caches
 
@@ -69,7 +69,15 @@ class NoCache:
             return logits, kvs
         idx = torch.arange(N, device=x.device)
         return self.model(x, pos, win.mask(self.mc, valid, idx, idx), out_start=win.lo - self.mc.logit_shift,
-                          out_len=win.width + win.ahead, return_kv=return_kv)
+                          out_len=win.width + win.ahead, return_kv=return_kv, tokens=self._tokens(valid))
+
+    def _tokens(self, real: torch.Tensor) -> Tokens | None:
+        """The real positions of a whole-canvas call (`Transformer.unpads`: on a CPU its padding
+        columns are run by no projection or MLP; one host read), or None: every column runs."""
+        if not self.model.unpads:
+            return None
+        tokens = Tokens.of(real)
+        return None if tokens.index.numel() == real.numel() else tokens      # no padding: nothing to skip
 
     def _packed(self, x, valid, pos, win: Window, return_kv: bool):
         """`_full` over `win.span` columns per row, row b's starting at its first valid column
@@ -81,7 +89,7 @@ class NoCache:
         at = cols.clamp(max=N - 1)
         logits, kvs = self.model(x.gather(1, at), pos.gather(1, at), win.mask(self.mc, valid, cols, cols),
                                  out_start=win.lo - self.mc.logit_shift - first, out_len=win.width + win.ahead,
-                                 return_kv=return_kv)
+                                 return_kv=return_kv, tokens=self._tokens(valid.gather(1, at) & (cols < N)))
         return logits, kvs, first
 
     def start(self, x, valid, pos, win: Window):

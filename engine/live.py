@@ -2,16 +2,20 @@
 are done or cancelled (docs/loop.md, "Continuous batching").
 
 A `LiveBatch` is a short loop over `Decoder.step` (one model call each) on one running batch
-(`Decoder.start`); at each block boundary (`step` returns False) it lets the rows that finished or
-were cancelled leave (`Decoder.leave`) and waiting sequences join (`Decoder.join`). A sequence is answered by the step that commits its last tokens (stage 1 on its
-last call's output, at the start of the next step), not at the block boundary; a cancelled one
-takes no model call after `cancel` (its row stays, idle, until the boundary). Rows keep their own block index: the batch is laid out
-so that every row's next block starts at one column, the batch's cursor (a joining sequence's
-prompt ends there; `engine.state.join` pads whichever side is shorter), so one block window
-serves every row whatever its progress, and every method and cache mode runs unchanged. Each
-block is its own unit in the loop (its first call builds its cache; only `--cross-block` carries
-state, per row, to the next), so a sequence decodes as it would alone: at temperature 0 its
-tokens are those of a single-request run.
+(`Decoder.start`). Where the decoder can (`Decoder.rolls`: cache none), the batch rolls: every row
+keeps its own block cursor, a row done with its block starts its next one with the next call, a
+joining sequence's first call rides on the next call, and an answered or cancelled sequence's row
+leaves in the step that ends it (docs/loop.md, "Rolling rows"). Otherwise rows share one block
+cursor: at each block boundary (`step` returns False) rows that finished or were cancelled leave
+(`Decoder.leave`) and waiting sequences join (`Decoder.join`; inside an open block where
+`Decoder.can_join` says so); a cancelled one takes no model call after `cancel` (its row stays, idle,
+until the boundary); the batch is laid out so that every row's next block starts at one column, the
+batch's cursor (a joining sequence's prompt ends there; `engine.state.join` pads whichever side is
+shorter), so one block window serves every row whatever its progress. A sequence is answered by
+the step that commits its last tokens (stage 1 on its last call's output, at the start of the next
+step). Each block is its own unit in the loop (its first call builds its cache; only
+`--cross-block` carries state, per row, to the next), so a sequence decodes as it would alone: at
+temperature 0 its tokens are those of a single-request run.
 
     live = LiveBatch(Decoder(model, config), max_rows=32)
     h = live.add(prompt_ids)                  # joins with the next step (its first call made then)

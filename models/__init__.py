@@ -4,8 +4,8 @@ from .config import ModelConfig
 from .errors import CheckpointError
 from .parallel import ParallelError, TensorParallel, init_tensor_parallel
 from .tokenizer import Tokenizer
-from .transformer import GEMMS, KVCache, Transformer, attention_mask, check_gemm, position_ids
+from .transformer import GEMMS, KVCache, Tokens, Transformer, attention_mask, check_gemm, position_ids
 
 __all__ = ["DTYPES", "GEMMS", "CheckpointError", "KVCache", "ModelConfig", "ParallelError", "TensorParallel", "Tokenizer",
-           "Transformer", "attention_mask", "check_gemm", "checkpoint_names", "init_random", "init_tensor_parallel", "load_model",
+           "Tokens", "Transformer", "attention_mask", "check_gemm", "checkpoint_names", "init_random", "init_tensor_parallel", "load_model",
            "position_ids", "save_checkpoint"]

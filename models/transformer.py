@@ -179,6 +179,31 @@ def attend(q, k_own, v_own, own_mask, cache_kv=None, cache: KVCache | None = Non
                                                row_map=cache.plan, **sc)[0]
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """The real positions of an [rows, width] call (`Transformer.forward(tokens=)`): `index` [M], their
+    flat indices into rows · width. Every per-token layer runs on those M only; attention, which
+    needs each row's layout, scatters them back (padding: zeros, never visible keys)."""
+
+    rows: int
+    width: int
+    index: torch.Tensor
+
+    @classmethod
+    def of(cls, real: torch.Tensor) -> "Tokens":
+        """From real [R, T] bool (one host read: how many)."""
+        return cls(real.shape[0], real.shape[1], real.reshape(-1).nonzero()[:, 0])
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[R, T, F] -> [M, F]."""
+        return t.reshape(self.rows * self.width, -1).index_select(0, self.index)
+
+    def scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """[M, F] -> [R, T, F], zeros at padding."""
+        out = t.new_zeros(self.rows * self.width, t.shape[-1]).index_copy_(0, self.index, t)
+        return out.view(self.rows, self.width, -1)
+
+
 class Attention(nn.Module):
     """q/k/v/o projections; under tensor parallelism (`tp`) this rank's whole heads and kv-heads
     (q/k/v column-parallel) and the matching input slice of o (row-parallel, summed over ranks)."""
@@ -201,20 +226,24 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, c.rms_eps) if c.qk_norm else None
         self.v_norm = RMSNorm(self.d, c.rms_eps, scale=False) if c.v_norm else None
 
-    def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False):
-        R, T, _ = x.shape
-        q = self.wq(x).view(R, T, self.h, self.d).transpose(1, 2)       # [R, H, T, D]
+    def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False,
+                tokens: Tokens | None = None):
+        """x [R, T, hidden], or with `tokens` [M, hidden]: the call's real positions only (the
+        projections run on those; attention on the [R, T] layout, padding zero)."""
+        R, T = (x.shape[0], x.shape[1]) if tokens is None else (tokens.rows, tokens.width)
+        grid = (lambda t: t) if tokens is None else tokens.scatter
+        q = grid(self.wq(x)).view(R, T, self.h, self.d).transpose(1, 2)       # [R, H, T, D]
         kp = self.wk(x)
-        k = kp.view(R, T, self.hkv, self.d).transpose(1, 2)             # [R, Hkv, T, D]
-        v = (kp if self.wv is None else self.wv(x)).view(R, T, self.hkv, self.d).transpose(1, 2)
+        k = grid(kp).view(R, T, self.hkv, self.d).transpose(1, 2)             # [R, Hkv, T, D]
+        v = grid(kp if self.wv is None else self.wv(x)).view(R, T, self.hkv, self.d).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.v_norm is not None:
             v = self.v_norm(v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attend(q, k, v, own_mask, cache_kv, cache, all_own=self.bidirectional or decoder, scale=self.scale,
-                   cache_mask=cache_mask)
-        return row_parallel(self.wo, o.transpose(1, 2).reshape(R, T, self.h * self.d), self.tp), (k, v)
+                   cache_mask=cache_mask).transpose(1, 2).reshape(R, T, self.h * self.d)
+        return row_parallel(self.wo, o if tokens is None else tokens.gather(o), self.tp), (k, v)
 
 
 # the gated MLPs' activation: SwiGLU, or GeGLU with the tanh approximation (Gemma's gelu_pytorch_tanh)
@@ -367,8 +396,9 @@ class Block(nn.Module):
             self.enc_scalar = nn.Parameter(torch.ones(1))
             self.dec_scalar = nn.Parameter(torch.ones(1))
 
-    def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False):
-        a, kv = self.attn(self.attn_norm(x), cos, sin, own_mask, cache_kv, cache, cache_mask, decoder)
+    def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False,
+                tokens: Tokens | None = None):
+        a, kv = self.attn(self.attn_norm(x), cos, sin, own_mask, cache_kv, cache, cache_mask, decoder, tokens)
         if not self.sandwich:
             x = x + a
             return x + self.mlp(self.ffn_norm(x)), kv
@@ -423,6 +453,7 @@ class Transformer(nn.Module):
         self.self_cond = SelfConditioning(config) if config.encoder_decoder else None
         self.gemm = "torch"
         self._linear = F.linear                  # the tied LM head's product (set_gemm)
+        self.unpad: bool | None = None           # whole-canvas calls on real positions only (`unpads`; None: auto)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -447,6 +478,16 @@ class Transformer(nn.Module):
         self.gemm, self._linear = kind, (_onednn_linear if kind == "onednn" else F.linear)
         return self
 
+    @property
+    def unpads(self) -> bool:
+        """Should whole-canvas calls with padding pass `tokens=` (real positions only)? By default
+        (`unpad` None) on a CPU: the GEMMs are the time there, and one host read (`Tokens.of`) costs
+        nothing; not on a GPU (padded rows are cheap there, a read drains the queue). Never on the
+        compiled twin (a new token count per call is a new shape)."""
+        if self.__dict__.get("_compiled", False):
+            return False
+        return self.device.type == "cpu" if self.unpad is None else self.unpad
+
     def compiled(self) -> "Transformer":
         """A twin of this model whose transformer blocks run under `torch.compile` (dynamic shapes,
         so the rows and lengths of a call do not recompile), sharing every parameter with it; the
@@ -457,6 +498,7 @@ class Transformer(nn.Module):
             twin.__dict__.update(self.__dict__)
             twin._modules = dict(self._modules)            # a new module table: the blocks differ
             twin.layers = nn.ModuleList(torch.compile(b, dynamic=True) for b in self.layers)
+            twin.__dict__["_compiled"] = True
             self.__dict__["_compiled_twin"] = twin          # a plain attribute: no module registration
         return twin
 
@@ -483,6 +525,8 @@ class Transformer(nn.Module):
         decoder: bool = False,             # encoder-decoder models (DiffusionGemma): run the decoder mode
         self_cond: torch.Tensor | None = None,       # decoder mode: the previous step's logits [R, T, V]
         self_cond_rows: torch.Tensor | None = None,  # [R] bool: rows False use none (their first step)
+        tokens: Tokens | None = None,      # the real positions (`Tokens.of(real [R, T])`): the others are padding,
+                                           # run by no projection or MLP (their keys/values and logits: zeros)
     ):
         """Returns (logits [R, out_len, V], per-layer (k, v) of the T positions if return_kv).
 
@@ -493,7 +537,9 @@ class Transformer(nn.Module):
         cached positions; the input embeddings take the self-conditioning signal of `self_cond`).
         Sliding-window layers need `cache.positions` when a cache is given."""
         c = self.config
-        x = self.tok_embeddings(ids)
+        if tokens is not None and (decoder or self_cond is not None):
+            raise ValueError("tokens= (real positions only) is for encoder calls: the decoder mode runs whole canvases")
+        x = self.tok_embeddings(ids if tokens is None else tokens.gather(ids[..., None])[:, 0])
         if c.embedding_scale != 1.0:
             x = x * x.new_tensor(c.embedding_scale)        # the scale rounded to the weights' dtype, as Gemma's
         if decoder or self_cond is not None or self_cond_rows is not None:
@@ -509,7 +555,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             kv_i = cache.layers[i] if cache is not None else None
             if not c.layer_types:
-                x, kv = layer(x, cos, sin, own_mask, kv_i, cache)
+                x, kv = layer(x, cos, sin, own_mask, kv_i, cache, tokens=tokens)
             else:
                 spec, w = layer.attn.rope, layer.attn.window
                 if spec not in ropes:
@@ -517,15 +563,10 @@ class Transformer(nn.Module):
                 if w not in windows:
                     windows[w] = self._window(w, pos, own_mask, cache, decoder)
                 m_own, m_cache, cm = windows[w]
-                x, kv = layer(x, *ropes[spec], m_own, kv_i, m_cache, cm, decoder)
+                x, kv = layer(x, *ropes[spec], m_own, kv_i, m_cache, cm, decoder, tokens)
             if return_kv:
                 kvs.append(kv)
-        if isinstance(out_start, torch.Tensor):      # one start per row (a packed call, engine/cache.py)
-            at = (out_start[:, None] + torch.arange(out_len, device=x.device)).clamp(0, x.shape[1] - 1)
-            x = x.gather(1, at[..., None].expand(-1, -1, x.shape[2]))
-        else:
-            out_len = x.shape[1] - out_start if out_len is None else out_len
-            x = x[:, out_start:out_start + out_len]
+        x = _out_window(x if tokens is None else tokens.scatter(x), out_start, out_len)
         return self.lm_head(x), (kvs if return_kv else None)
 
     @staticmethod
@@ -548,6 +589,16 @@ class Transformer(nn.Module):
             return own, dataclasses.replace(cache, key_mask=cache.key_mask & (last - kp < window - 1)), None
         cm = cache.key_mask[:, None, None, :] & ((pos[:, :, None] - kp[:, None, :]) < window)[:, None]
         return own, cache, cm
+
+
+def _out_window(x: torch.Tensor, out_start: int | torch.Tensor, out_len: int | None) -> torch.Tensor:
+    """x [R, T, H] at the query positions whose logits a call returns: [out_start, out_start +
+    out_len), or from one start per row (a LongTensor [R]: a packed call, engine/cache.py)."""
+    if isinstance(out_start, torch.Tensor):
+        at = (out_start[:, None] + torch.arange(out_len, device=x.device)).clamp(0, x.shape[1] - 1)
+        return x.gather(1, at[..., None].expand(-1, -1, x.shape[2]))
+    out_len = x.shape[1] - out_start if out_len is None else out_len
+    return x[:, out_start:out_start + out_len]
 
 
 # ---------------------------------------------------------------------- masks and positions

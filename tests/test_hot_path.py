@@ -32,8 +32,12 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [30, 31]]
 GRAPHS = {2: DraftGraph.chain(1), 8: DraftGraph([[], [0], [1], [0, 1], [0, 2], [0, 1, 2], [2], [0, 1, 2, 3]])}
 
 
-def profile(family="llada", layers=2, batch=2, nodes=8, cache="dual", backend=None, monkeypatch=None, **opts):
+def profile(family="llada", layers=2, batch=2, nodes=8, cache="dual", backend=None, monkeypatch=None, unpad=False,
+            **opts):
+    """`unpad`: whole-canvas calls on real positions only (`Transformer.unpads`, a CPU's default: one
+    read each); off by default here, pinning the path a GPU runs."""
     model = init_random(ModelConfig.tiny(family, num_layers=layers), seed=7, std=0.3)
+    model.unpad = unpad
     kw = dict(method="psd", policy_name="confidence", threshold=0.5, acceptance="policy", graph=GRAPHS[nodes],
               gen_length=16, block_length=8, cache=cache)
     kw.update(opts)
@@ -52,14 +56,16 @@ def profile(family="llada", layers=2, batch=2, nodes=8, cache="dual", backend=No
     return prof, results
 
 
-def exact_gaps(prof, blocks: int, drafts: bool, cache: str, backend: str = "reference") -> Counter:
+def exact_gaps(prof, blocks: int, drafts: bool, cache: str, backend: str = "reference", unpad: bool = False) -> Counter:
     """The host reads between two model calls, exactly. A decode step reads which rows go on (1),
     which drafts are valid (1; none with a root-only graph or --static-rows), and, on the reference
     backend, the row plan of a call over a cache (1). A block boundary reads which rows go on (the
-    step that ends the block), whether a row failed (closing it) and which rows open the next (3)."""
-    step = 1 + int(drafts) + int(cache != "none" and backend == "reference")
+    step that ends the block), whether a row failed (closing it) and which rows open the next (3).
+    With `unpad`, a whole-canvas call reads its real positions (1): every call without a cache, the
+    block's first call with one."""
+    step = 1 + int(drafts) + int(cache != "none" and backend == "reference") + int(unpad and cache == "none")
     n = len(prof.between)
-    return Counter({step: n - (blocks - 1)}) + Counter({3: blocks - 1})
+    return Counter({step: n - (blocks - 1)}) + Counter({3 + int(unpad): blocks - 1})
 
 
 # (profile options, graph with drafts?): every configuration's reads, exactly
@@ -85,6 +91,14 @@ def test_exact_host_reads_per_step(kw, drafts):
     blocks = kw.get("gen_length", 16) // kw.get("block_length", 8)
     want = exact_gaps(prof, blocks, drafts, kw.get("cache", "dual"))
     assert Counter(prof.between) == want, (prof.between, want)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_exact_host_reads_per_step_with_unpadded_calls(cache):
+    """A CPU's path (`Transformer.unpads`): one more read per whole-canvas call, none inside it."""
+    prof = profile(cache=cache, unpad=True)[0]
+    assert prof.inside and max(prof.inside) == 0, prof.inside
+    assert Counter(prof.between) == exact_gaps(prof, 2, True, cache, unpad=True), prof.between
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])

@@ -130,15 +130,21 @@ def test_serve_sim_compares_the_schedulers_on_the_same_requests(capsys):
 
     from bench import serve_sim
     from support import run_main
-    rc, out, err = run_main(serve_sim.main, ["--clients", "3", "--requests", "5", "--rounds", "1", "--cache", "none",
-                                             "--max-tokens", "16", "8", "--block-length", "8",
-                                             "--modes", "continuous", "static", "by-length"], capsys)
-    assert rc == 0, err
-    row = json.loads(out.strip().splitlines()[-1])["rows"][0]
-    assert row["identical"] and row["clients"] == 3
-    assert row["by-length"]["columns_per_request"] < row["continuous"]["columns_per_request"]   # no 16-token rectangle
-    for mode in ("continuous", "static", "by-length"):
-        assert row[mode]["requests"] == 5 and row[mode]["columns_per_request"] > 0 and row[mode]["calls_per_request"] > 0
+    args = ["--clients", "3", "--requests", "5", "--rounds", "1", "--cache", "none", "--max-tokens", "16", "8",
+            "--block-length", "8", "--modes", "continuous", "static", "by-length"]
+    rows = {}
+    for unpad in ("off", "on"):
+        rc, out, err = run_main(serve_sim.main, args + ["--unpad", unpad], capsys)
+        assert rc == 0, err
+        rows[unpad] = row = json.loads(out.strip().splitlines()[-1])["rows"][0]
+        assert row["identical"] and row["clients"] == 3
+        for mode in ("continuous", "static", "by-length"):
+            assert row[mode]["requests"] == 5 and row[mode]["columns_per_request"] > 0 and \
+                row[mode]["calls_per_request"] > 0
+    cols = {u: {m: rows[u][m]["columns_per_request"] for m in ("continuous", "static", "by-length")} for u in rows}
+    assert cols["off"]["by-length"] < cols["off"]["continuous"]        # every column runs: the 16-token rectangle
+    # on real positions only, a request costs its own columns whatever it is batched with
+    assert cols["on"]["continuous"] == cols["on"]["static"] == cols["on"]["by-length"] < cols["off"]["continuous"]
     rc, _, err = run_main(serve_sim.main, ["--method", "confidence:threshold=7", "--requests", "2"], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:")
 
