@@ -138,3 +138,23 @@ def test_rolling_where_the_decoder_cannot_is_refused(case):
         LiveBatch(dec, rolling=True)
     with pytest.raises(InputError, match="rolling rows need cache none"):
         dec.start([[1, 2, 3]], rolling=True)
+
+
+def test_a_cancelled_row_frees_its_slot_for_a_waiting_sequence_at_once():
+    """max_rows 1: a cancelled sequence's row is free in the same step, so the waiting one takes
+    the very next call (on one cursor it would wait for the block boundary) and decodes as alone."""
+    model = _model("llada")
+    dc = DecodeConfig(method="greedy", gen_length=32, block_length=L)
+    live = LiveBatch(Decoder(model, dc), max_rows=1)
+    first, second = live.add(PROMPTS[0], gen_length=32), live.add(PROMPTS[1], gen_length=16)
+    live.step(), live.step()                                  # the first sequence's block is open
+    live.cancel(first)
+    assert live.running == 0 and live.waiting
+    u = live.step()
+    assert live.running == 1 and live.handles == [second] and u.rows == 1
+    done = {}
+    while u is not None:
+        done.update(u.done)
+        u = live.step()
+    assert first not in done
+    assert done[second].token_ids == _alone(model, dc, 1, 16, None).token_ids
