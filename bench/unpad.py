@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_threads_flag, guarded, set_threads, thread_count
+from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_threads_flag, guarded, set_threads,
+                             thread_count)
 from models import Tokenizer, Tokens, attention_mask, load_model, position_ids
 
 from ._common import versions
@@ -52,7 +53,8 @@ def run(args) -> int:
         for rows in args.rows:
             x, pos, mask, real, lo = call_inputs(tok, model, rows, args.gen)
             tokens = Tokens.of(real)
-            call = lambda t: model(x, pos, mask, out_start=lo - model.config.logit_shift, out_len=32, tokens=t)  # noqa: E731
+            start = lo - model.config.logit_shift
+            call = lambda t: model(x, pos, mask, out_start=start, out_len=32, tokens=t)  # noqa: E731
             equal = torch.equal(call(None)[0][real[:, lo:lo + 32]], call(tokens)[0][real[:, lo:lo + 32]])
             times = {"padded": [], "real": []}
             for _ in range(args.reps):

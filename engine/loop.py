@@ -477,7 +477,7 @@ class Decoder:
         run = run.take(torch.tensor(stay, dtype=torch.long, device=dev))
         run.seqs = index[run.seqs]
         batch = batch.take(torch.tensor(keep, device=dev))
-        left, right, span = batch.trim_shift()
+        left, right, span = batch.trim_shift(self.mc.logit_shift)
         state.batch = batch = batch.shift(left, right, lambda valid: position_ids(self.mc, valid))
         batch.span = span
         state.run = None
@@ -524,7 +524,7 @@ class Decoder:
         state.version += 1
         state.sent = state.sent + [0] * new.x.shape[0]
         if state.batch is None or state.run is None:
-            state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos)
+            state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos, self.mc.logit_shift)
             return StepOutput(state, False, self.mc.mask_token_id)
         old, run = state.batch, state.run
         merged = join(old, new, pos)                # no trimming while the block is open: its columns stay
@@ -588,7 +588,8 @@ class Decoder:
             state.batch = None
             return
         pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
-        state.batch = state.batch.take(torch.tensor(keep, device=state.batch.x.device)).trimmed(pos)
+        kept = state.batch.take(torch.tensor(keep, device=state.batch.x.device))
+        state.batch = kept.trimmed(pos, self.mc.logit_shift)
 
     def results(self, state: BatchState, rows=None, seconds=None) -> list[SequenceResult]:
         """The `SequenceResult`s of the batch's rows (all, or `rows`), from what is settled."""

@@ -169,18 +169,19 @@ class Batch:
         kw["commits"] = self.commits.shift(left, right)
         return Batch(**kw)
 
-    def trim_shift(self) -> tuple[int, int, int]:
+    def trim_shift(self, keep: int = 0) -> tuple[int, int, int]:
         """(left, right, span): the `shift` that removes the columns before every row's first valid
-        one and after every row's last generated one, and the rows' exact span (one read)."""
+        one (but `keep` before the cursor: a shifted model reads a block's first prediction one
+        column before it) and after every row's last generated one, and the rows' exact span (one read)."""
         starts = self.valid.to(torch.uint8).argmax(1)          # each row's first valid column
         ends = self.gen_start + self.gen_len
         first, last, span = torch.stack((starts.min(), ends.max(), (ends - starts).max())).tolist()   # one read
-        return -min(first, self.cursor), -(self.x.shape[1] - last), span
+        return -min(first, max(0, self.cursor - keep)), -(self.x.shape[1] - last), span
 
-    def trimmed(self, position_ids) -> "Batch":
-        """Without the columns before every row's first valid one and after every row's last
-        generated one (a running batch does not grow without bound)."""
-        left, right, span = self.trim_shift()
+    def trimmed(self, position_ids, keep: int = 0) -> "Batch":
+        """Without the columns before every row's first valid one (but `keep` before the cursor) and
+        after every row's last generated one (a running batch does not grow without bound)."""
+        left, right, span = self.trim_shift(keep)
         trimmed = self.shift(left, right, position_ids)
         trimmed.span = span                   # exact again (rows that left may have been the longest)
         return trimmed

@@ -158,3 +158,19 @@ def test_a_cancelled_row_frees_its_slot_for_a_waiting_sequence_at_once():
         u = live.step()
     assert first not in done
     assert done[second].token_ids == _alone(model, dc, 1, 16, None).token_ids
+
+
+@pytest.mark.parametrize("rolling", [True, False])
+def test_a_shifted_model_keeps_the_column_before_the_block_when_the_canvas_is_trimmed(rolling):
+    """Dream reads a block's first prediction one column before it. With --align sequence a prompt
+    inside its first block starts at the block; when the only other row left, trimming the canvas
+    to that row's first column put the block at column 0 (rolling: a crash on the next call)."""
+    model = _model("dream")
+    dc = DecodeConfig(method="confidence", threshold=0.5, gen_length=16, block_length=4, align="sequence")
+    live = LiveBatch(Decoder(model, dc), rolling=rolling)
+    live.add(list(range(1, 14)), gen_length=4)
+    short = live.add([7], gen_length=16)
+    done = {}
+    while (u := live.step()) is not None:
+        done.update(u.done)
+    assert done[short].token_ids == Decoder(model, dc).generate([[7]])[0].token_ids
