@@ -49,6 +49,7 @@ class LiveUpdate:
     probs: dict[int, list[float]] = field(default_factory=dict)   # the pieces' commit_prob
     tops: dict[int, list | None] = field(default_factory=dict)    # and commit_top (None without --top-logprobs)
     rows: int = 0                       # sequences in the batch during this call
+    handles: tuple = ()                 # and their handles (rows that ended with it have left by now)
 
 
 class LiveBatch:
@@ -132,7 +133,7 @@ class LiveBatch:
             if out := self.dec.step(self.state):
                 break
         update, self._ended = self._ended, LiveUpdate()
-        update.rows = len(self.handles)
+        update.rows, update.handles = len(self.handles), tuple(self.handles)
         final = out.final()              # per row, in the batch's order (the state counts what was handed out)
         for h, piece, prob, top in zip(self.handles, final.pieces, final.probs, final.tops):
             if piece and h not in self.cancelled:

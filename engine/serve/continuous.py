@@ -133,7 +133,7 @@ class ContinuousScheduler(Scheduler):
         if update.rows:
             self.stats["calls"] += 1
             self.stats["largest_batch"] = max(self.stats["largest_batch"], update.rows)
-            for h in live.batch.handles:         # the call's rows: an answer with no text piece counts too
+            for h in update.handles:             # the call's rows: an answer with no text piece counts too
                 if h in live.jobs:
                     live.jobs[h].batch_size = max(live.jobs[h].batch_size, update.rows)
         for h, piece in update.pieces.items():
