@@ -524,7 +524,8 @@ class Decoder:
         state.version += 1
         state.sent = state.sent + [0] * new.x.shape[0]
         if state.batch is None or state.run is None:
-            state.batch = new if state.batch is None else join(state.batch, new, pos).trimmed(pos, self.mc.logit_shift)
+            state.batch = new if state.batch is None else \
+                join(state.batch, new, pos).trimmed(pos, self.mc.logit_shift)
             return StepOutput(state, False, self.mc.mask_token_id)
         old, run = state.batch, state.run
         merged = join(old, new, pos)                # no trimming while the block is open: its columns stay
@@ -567,7 +568,8 @@ class Decoder:
         """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep
         their order, the canvas is trimmed; no row left: `state.batch` is None); in an open block
         they take no further call, in this block or any later one (a caller may drop them at the next
-        boundary; their results stay what was settled)."""
+        boundary; their results stay what was settled); in a rolling batch they are dropped at once,
+        open block or not."""
         state.version += 1
         if state.run is not None and state.rolling:
             if rows:
