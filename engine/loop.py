@@ -520,13 +520,17 @@ class Decoder:
         if not self._fits(state, new.x.shape[1] - new.cursor):       # refused: the state is as it was
             raise InputError("these rows join this running batch at a block boundary (state.run is open; "
                              "Decoder.can_join)")
-        pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
         state.version += 1
         state.sent = state.sent + [0] * new.x.shape[0]
+        return StepOutput(state, self._join(state, new), self.mc.mask_token_id)
+
+    def _join(self, state: BatchState, new: Batch) -> bool:
+        """`join`'s work on the state: True if the new rows' first call was made."""
+        pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
         if state.batch is None or state.run is None:
             state.batch = new if state.batch is None else \
                 join(state.batch, new, pos).trimmed(pos, self.mc.logit_shift)
-            return StepOutput(state, False, self.mc.mask_token_id)
+            return False
         old, run = state.batch, state.run
         merged = join(old, new, pos)                # no trimming while the block is open: its columns stay
         left = merged.cursor - old.cursor
@@ -535,16 +539,17 @@ class Decoder:
         if state.rolling:                           # their first call rides on the next step's
             self._reframe(run, merged, left, merged.x.shape[1] - old.x.shape[1] - left)
             state.run = run.joined(self._awaiting(merged, rows, run))
-            return StepOutput(state, False, self.mc.mask_token_id)
+            return False
         self._widen(run, merged, left, merged.x.shape[1] - old.x.shape[1] - left)
         with self.cache_mode.appending(run.cache):      # their cache rows go after the open block's
             fresh = self._open_block(merged.take(rows), plan=run.plan)     # the new rows' first call
-        if fresh is not None:
-            fresh.seqs = rows[fresh.seqs]
-            state.run = run.joined(fresh, self.cache_mode.joined(run.cache, fresh.cache))
-            if self.budget is not None:          # the block's time is no longer its plan's alone
-                self.budget.joined(fresh.seqs.numel())
-        return StepOutput(state, fresh is not None, self.mc.mask_token_id)
+        if fresh is None:
+            return False
+        fresh.seqs = rows[fresh.seqs]
+        state.run = run.joined(fresh, self.cache_mode.joined(run.cache, fresh.cache))
+        if self.budget is not None:          # the block's time is no longer its plan's alone
+            self.budget.joined(fresh.seqs.numel())
+        return True
 
     def _widen(self, run: BlockRun, batch: Batch, left: int, right: int) -> None:
         """The open block's rows on `batch`'s wider canvas: `left` columns before (prompts of rows

@@ -311,8 +311,10 @@ class BlockRun:
                 kw[f.name] = torch.cat((a, b.to(a.dtype)))
             elif isinstance(a, Commits):
                 kw[f.name] = Commits.cat(a, b)
+            elif isinstance(a, PolicyState):
+                kw[f.name] = a.join(b)
             else:
-                kw[f.name] = a.join(b)                   # PolicyState
+                raise TypeError(f"BlockRun.joined: no rule to join the field {f.name} ({type(a).__name__})")
         return BlockRun(**kw)
 
     def retire(self, rows) -> None:
