@@ -62,8 +62,8 @@ class LiveBatch:
             raise InputError(f"max_rows must be >= 1, got {max_rows}")
         check_batchable(decoder.mc)
         self.dec, self.max_rows = decoder, max_rows
-        if rolling and not decoder.rolls:
-            decoder.start([], rolling=True)                    # the InputError that says why
+        if rolling:
+            decoder.require_rolls()
         self.rolling = decoder.rolls if rolling is None else rolling
         self.waiting: list[tuple[int, list[int], int, int | None]] = []   # (handle, prompt ids, gen length, seed)
         self.handles: list[int] = []                             # the batch's rows, in order

@@ -318,9 +318,8 @@ class Decoder:
         keep their own block cursors (`rolls` says where they can): a row done with its block starts
         its next one with the next call, so the block closes (a boundary) only when every row is
         done; joins ride on the next call; leaves are at once (docs/loop.md, "Rolling rows")."""
-        if rolling and not self.rolls:
-            raise InputError("rolling rows need cache none on a masked model without ETE, --cross-block, "
-                             "--draft-budget auto, --static-rows, --cuda-graphs or a trace (Decoder.rolls)")
+        if rolling:
+            self.require_rolls()
         checked = [check_prompts(self.mc, self.dc, [p], gen_length=g)[0] for p, g in zip(prompts, gen_lengths)] \
             if gen_lengths else self.check_prompts(prompts)
         if seeds is not None and len(seeds) != len(prompts):
@@ -394,6 +393,12 @@ class Decoder:
         dc = self.dc
         return (self.uniform is None and dc.cache == "none" and dc.window_blocks == 1 and not dc.cross_block
                 and self.budget is None and not dc.static_rows and not dc.cuda_graphs and self.trace is None)
+
+    def require_rolls(self) -> None:
+        """An InputError (one line, the reason) unless rows can roll here (`rolls`)."""
+        if not self.rolls:
+            raise InputError("rolling rows need cache none on a masked model without ETE, --cross-block, "
+                             "--draft-budget auto, --static-rows, --cuda-graphs or a trace (Decoder.rolls)")
 
     def _roll(self, state: BatchState, masked: torch.Tensor):
         """After stage 1 of a rolling batch: the open block's rows that are done with their block and

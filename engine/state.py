@@ -259,7 +259,7 @@ class BlockRun:
     noise: object = None                     # uniform-noise models: the block's denoising state (uniform.Canvas)
     gens: list | None = None                 # --sampler row: each row's sampling generator (Batch.gens)
     first: torch.Tensor | None = None        # [S] bool: the row's block has had no call yet (rolling rows,
-                                             # `Decoder.start(live=True)`: its first call rides on the next one)
+                                             # `Decoder.start(rolling=True)`: its first call rides on the next one)
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
