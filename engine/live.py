@@ -95,7 +95,7 @@ class LiveBatch:
             self.waiting = [w for w in self.waiting if w[0] != handle]
         elif handle in self.handles:
             self.cancelled.add(handle)
-            if self.state is not None and self.state.rolling:               # its row leaves now
+            if self.state is not None and self.dec.drops_at_once:           # its row leaves now
                 self._release([self.handles.index(handle)])
             elif self.state is not None and self.state.run is not None:     # out of the open block's next calls
                 self.dec.leave(self.state, [self.handles.index(handle)])
@@ -142,7 +142,7 @@ class LiveBatch:
                 if e and h not in self.answered and h not in self.cancelled]
         if over:
             self._answer(self.state.batch, self.state.run, over, update)
-            if self.state.rolling:              # their rows leave now: the room is the next sequence's
+            if self.dec.drops_at_once:          # their rows leave now: the room is the next sequence's
                 self._release(over)
         return update
 
@@ -233,6 +233,6 @@ class LiveBatch:
             self.joined.pop(h, None)
             self.cancelled.discard(h), self.answered.discard(h)
         self.handles = [h for b, h in enumerate(self.handles) if b not in set(rows)]
-        self.dec.leave(self.state, rows)
+        self.dec.leave(self.state, rows, now=True)
         if self.state.batch is None:
             self.state = None

@@ -274,7 +274,8 @@ class Decoder:
         n = len(seq_rows)
         if new is not None:                     # rolling rows: their blocks' first calls ride on this one
             seq_rows, canvases = torch.cat((seq_rows, new)), torch.cat((canvases, run.x[new]))
-        logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache, seq_rows)
+        logits = self.cache_mode.call(canvases, run.valid[seq_rows], run.pos[seq_rows], win, run.cache,
+                                      seq_rows if run.cache_rows is None else run.cache_rows[seq_rows])
         gens = Sampler.rows_of(run.gens, seq_rows, A * K if self.dc.static_rows else None)     # --sampler row
         pred, conf, top = self.sampler.predict(logits, run.gen_start[seq_rows], win.lo, gens, run.valid[seq_rows])
         if new is not None:
@@ -466,9 +467,17 @@ class Decoder:
         run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left,
                                       span=batch.span)
 
+    @property
+    def drops_at_once(self) -> bool:
+        """Do rows that leave an open block leave the batch at once (`leave`)? Not on a uniform-noise
+        model, whose draws are the batch's shapes: its rows leave at the next boundary."""
+        return self.uniform is None
+
     def _drop(self, state: BatchState, rows: list[int]) -> None:
-        """Rolling rows: batch rows `rows` leave the open block and the batch at once (no cache rows
-        to keep); the canvas is trimmed. No row left in the block: the state is at a boundary."""
+        """Batch rows `rows` leave the open block and the batch at once. A rolling batch (no cache)
+        is trimmed; with a cache the columns stay (the block's cache is laid out on them) and the
+        rows' cache rows stay behind (`BlockRun.cache_rows`). No row left in the block: the state is
+        at a boundary."""
         batch, run, gone = state.batch, state.run, set(rows)
         keep = [b for b in range(batch.x.shape[0]) if b not in gone]
         state.sent = [state.sent[b] for b in keep]
@@ -481,14 +490,15 @@ class Decoder:
         stay = [i for i, b in enumerate(run.seqs.tolist()) if b not in gone]
         run = run.take(torch.tensor(stay, dtype=torch.long, device=dev))
         run.seqs = index[run.seqs]
-        batch = batch.take(torch.tensor(keep, device=dev))
+        state.batch = batch = batch.take(torch.tensor(keep, device=dev))
+        state.run = run if stay else None
+        if not state.rolling:
+            return
         left, right, span = batch.trim_shift(self.mc.logit_shift)
         state.batch = batch = batch.shift(left, right, lambda valid: position_ids(self.mc, valid))
         batch.span = span
-        state.run = None
         if stay:
             self._reframe(run, batch, left, right)
-            state.run = run
 
     @property
     def joins_inside_a_block(self) -> bool:
@@ -574,14 +584,16 @@ class Decoder:
         if run.cache is not None:     # every mode caches from column 0 on: `left` invisible keys first
             run.cache = self.cache_mode.widen(run.cache, run.win, run.x.shape[1], left, rows=batch.x.shape[0])
 
-    def leave(self, state: BatchState, rows: list[int]) -> None:
+    def leave(self, state: BatchState, rows: list[int], now: bool = False) -> None:
         """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep
-        their order, the canvas is trimmed; no row left: `state.batch` is None); in an open block
-        they take no further call, in this block or any later one (a caller may drop them at the next
-        boundary; their results stay what was settled); in a rolling batch they are dropped at once,
-        open block or not."""
+        their order, the canvas is trimmed; no row left: `state.batch` is None). In an open block
+        they take no further call, in this block or any later one, and stay rows of the batch (its
+        row indices unchanged; a caller drops them at the next boundary; their results stay what was
+        settled) — unless `now` (where `drops_at_once`) or the batch rolls: then they are dropped at
+        once too, the others renumbered in order (with a cache their cache rows stay behind, unused,
+        until the block closes)."""
         state.version += 1
-        if state.run is not None and state.rolling:
+        if state.run is not None and (state.rolling or now and self.drops_at_once):
             if rows:
                 self._drop(state, rows)
             return

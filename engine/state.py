@@ -260,6 +260,8 @@ class BlockRun:
     gens: list | None = None                 # --sampler row: each row's sampling generator (Batch.gens)
     first: torch.Tensor | None = None        # [S] bool: the row's block has had no call yet (rolling rows,
                                              # `Decoder.start(rolling=True)`: its first call rides on the next one)
+    cache_rows: torch.Tensor | None = None   # [S] each row's row in `cache` (None: row i's is i); rows that left
+                                             # the open block (`Decoder.leave`) leave theirs behind until it closes
 
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
@@ -269,7 +271,9 @@ class BlockRun:
         kw = {}
         for f in dataclasses.fields(self):
             a = getattr(self, f.name)
-            if f.name in ("index", "win", "plan", "cache") or a is None:
+            if f.name == "cache_rows" and self.cache is not None:
+                kw[f.name] = self.rows_in_cache()[rows]
+            elif f.name in ("index", "win", "plan", "cache") or a is None:
                 kw[f.name] = a
             elif isinstance(a, list):                   # --sampler row: the rows' generators
                 kw[f.name] = [a[i] for i in rows.tolist()]
@@ -282,7 +286,7 @@ class BlockRun:
         at = torch.tensor(rows, device=self.x.device)
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("index", "win", "plan", "cache") or a is None:
+            if f.name in ("index", "win", "plan", "cache", "cache_rows") or a is None:
                 continue
             if isinstance(a, list):
                 for i, r in enumerate(rows):
@@ -298,10 +302,12 @@ class BlockRun:
         """These rows, then `other`'s (the same block, window and plan: rows that opened the block
         later, `Decoder.join`); every per-row tensor, the commit record and the policy state
         concatenated row-wise; `cache`, the two caches joined (the cache mode's `joined`)."""
-        kw = {"cache": cache}
+        kw = {"cache": cache, "cache_rows": None}
+        if self.cache_rows is not None or other.cache_rows is not None:   # the joined cache: ours, then theirs
+            kw["cache_rows"] = torch.cat((self.rows_in_cache(), other.rows_in_cache() + self.cache.key_mask.shape[0]))
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "cache":
+            if f.name in ("cache", "cache_rows"):
                 continue
             if f.name in ("index", "win", "plan") or a is None:
                 kw[f.name] = a
@@ -316,6 +322,12 @@ class BlockRun:
             else:
                 raise TypeError(f"BlockRun.joined: no rule to join the field {f.name} ({type(a).__name__})")
         return BlockRun(**kw)
+
+    def rows_in_cache(self, rows=slice(None)) -> torch.Tensor:
+        """The cache rows of rows `rows` (what a cache mode's call takes as its `rows`)."""
+        if self.cache_rows is None:
+            return torch.arange(self.seqs.numel(), device=self.seqs.device)[rows]
+        return self.cache_rows[rows]
 
     def retire(self, rows) -> None:
         """These rows (indices into the run) take no further call on this block: they commit nothing

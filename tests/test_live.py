@@ -237,3 +237,34 @@ def test_sequence_alignment_with_a_prompt_inside_one_block_on_shifted_models(fam
     assert [r.token_ids for r in dec.generate([short, long_])] == [r.token_ids for r in alone]
     done = run_live(dec, [short, long_], [(0, 16, 0), (1, 16, 2)]).done
     assert [done[0].token_ids, done[1].token_ids] == [r.token_ids for r in alone]
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_a_gone_or_answered_row_frees_its_slot_inside_an_open_block(cache):
+    """Issue 31 item 4 with a cache (rows on one block cursor): a cancelled row leaves the batch in
+    the step it is cancelled and an answered one in the step that answers it, not at the block
+    boundary (their cache rows stay behind, unused, until the block closes); the waiting sequence
+    that takes the slot joins the open block, and every sequence decodes as it would alone."""
+    m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5, std=0.5)
+    m = m.double()
+    dc = DecodeConfig(method="confidence", threshold=0.5, gen_length=32, block_length=8, cache=cache)
+    live = LiveBatch(Decoder(m, dc), max_rows=2)
+    a, b = live.add(PROMPTS[0], gen_length=32), live.add(PROMPTS[3], gen_length=32)
+    c = live.add(PROMPTS[1], gen_length=16)                     # waits: no room
+    live.step(), live.step()
+    assert live.state.run is not None and live.handles == [a, b]
+    live.cancel(a)
+    assert live.handles == [b] and live.state.run is not None    # gone now, the block still open
+    u = live.step()                                              # c joins the open block (its first call)
+    assert live.handles == [b, c] and u.rows == 2 and live.state.run is not None
+    done = {}
+    while u is not None:
+        done.update(u.done)
+        for h in u.done:                                         # an answered row is gone in the same step
+            assert h not in live.handles
+        u = live.step()
+    assert a not in done
+    for h, i, g in ((b, 3, 32), (c, 1, 16)):
+        alone = Decoder(m, dc.replace(gen_length=g)).generate([PROMPTS[i]])[0]
+        assert (done[h].token_ids, done[h].calls, done[h].commit_call) == \
+            (alone.token_ids, alone.calls, alone.commit_call), h
