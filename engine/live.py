@@ -142,8 +142,8 @@ class LiveBatch:
                 if e and h not in self.answered and h not in self.cancelled]
         if over:
             self._answer(self.state.batch, self.state.run, over, update)
-            if self.dec.drops_at_once:          # their rows leave now: the room is the next sequence's
-                self._release(over)
+            if self.state.rolling:              # their rows leave now: the room is the next sequence's (with a
+                self._release(over)             # cache they wait for the boundary: joins there share one first call)
         return update
 
     def _answer(self, batch: Batch, run, rows: list[int], update: LiveUpdate) -> None:

@@ -240,11 +240,12 @@ def test_sequence_alignment_with_a_prompt_inside_one_block_on_shifted_models(fam
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_a_gone_or_answered_row_frees_its_slot_inside_an_open_block(cache):
+def test_a_gone_row_frees_its_slot_inside_an_open_block(cache):
     """Issue 31 item 4 with a cache (rows on one block cursor): a cancelled row leaves the batch in
-    the step it is cancelled and an answered one in the step that answers it, not at the block
-    boundary (their cache rows stay behind, unused, until the block closes); the waiting sequence
-    that takes the slot joins the open block, and every sequence decodes as it would alone."""
+    the step it is cancelled, not at the block boundary (its cache row stays behind, unused, until
+    the block closes); the waiting sequence that takes the slot joins the open block, and every
+    sequence decodes as it would alone. (An answered row keeps its slot to the boundary here, where
+    the next sequence's first call is shared with the block's: docs/serve.md.)"""
     m = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5, std=0.5)
     m = m.double()
     dc = DecodeConfig(method="confidence", threshold=0.5, gen_length=32, block_length=8, cache=cache)
@@ -260,8 +261,6 @@ def test_a_gone_or_answered_row_frees_its_slot_inside_an_open_block(cache):
     done = {}
     while u is not None:
         done.update(u.done)
-        for h in u.done:                                         # an answered row is gone in the same step
-            assert h not in live.handles
         u = live.step()
     assert a not in done
     for h, i, g in ((b, 3, 32), (c, 1, 16)):
