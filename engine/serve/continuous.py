@@ -52,8 +52,8 @@ class ContinuousScheduler(Scheduler):
                         for j in live.jobs.values():
                             j.push("error", shutting_down())
                     return
+                self._drop_cancelled(lives)          # first: a gone client's row is free for this admission
                 self._admit(model, lives, turn)
-                self._drop_cancelled(lives)
                 self.running = self._rows(lives)
             if not turn:
                 continue
@@ -69,7 +69,8 @@ class ContinuousScheduler(Scheduler):
         return sum(lv.batch.rows_held for lv in lives.values())
 
     def _drop_cancelled(self, lives: dict) -> None:
-        """Clients that went away leave their batch at its next boundary."""
+        """Clients that went away leave their batch now (`LiveBatch.cancel`; a uniform-noise model's
+        rows at its next boundary)."""
         for live in lives.values():
             gone = [h for h, j in live.jobs.items() if j.cancelled]
             for h in gone:
