@@ -1,6 +1,6 @@
 """One whole-canvas call with and without its padding columns (docs/loop.md, "Packed calls").
 
-    python -m bench.unpad [--rows 8 32] [--gen 64 32] [--reps 7]
+    python -m bench.unpad [--rows 8 32] [--gen 64 32] [--reps 7] [--shape small]
 
 The call a running batch of mixed requests makes without a cache: `--rows` rows, row i the i-th
 held-out math question with a generation of `--gen` lengths in turn (the server's 64/32 mix),
@@ -20,10 +20,11 @@ import torch
 
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_threads_flag, guarded, set_threads,
                              thread_count)
-from models import Tokenizer, Tokens, attention_mask, load_model, position_ids
+from models import DTYPES, Tokenizer, Tokens, attention_mask, load_model, position_ids
 
 from ._common import versions
 from .serve_load import prompts
+from .workload import SHAPES, build_random, param_count, shape_config
 
 
 def call_inputs(tok, model, rows: int, gens: list[int]):
@@ -45,8 +46,11 @@ def call_inputs(tok, model, rows: int, gens: list[int]):
 
 def run(args) -> int:
     set_threads(args.threads or 1)
-    model = load_model(args.model, args.dtype, "cpu")
-    tok = Tokenizer(args.model)
+    tok = Tokenizer(args.model)                 # the prompts' ids (within every shape's vocabulary)
+    if args.shape is None:
+        model = load_model(args.model, args.dtype, "cpu")
+    else:                                       # random weights at a real shape (bench.workload)
+        model = build_random(shape_config(args.shape), torch.device("cpu"), DTYPES[args.dtype])
     out = []
     print("| rows | real columns | padded ms | real-only ms | ratio | logits equal |\n|---|---|---|---|---|---|")
     with torch.no_grad():
@@ -66,14 +70,18 @@ def run(args) -> int:
             share = real.float().mean().item()
             out.append({"rows": rows, "real_share": share, "padded_ms": p, "real_ms": u, "equal": equal})
             print(f"| {rows} | {share:.0%} | {p:.1f} | {u:.1f} | {u / p:.2f} | {'yes' if equal else 'NO'} |")
-    print(json.dumps({"gen": args.gen, "reps": args.reps, "threads": args.threads or 1, "dtype": args.dtype,
-                      **versions(), "rows": out}))
+    print(json.dumps({"model": args.shape or args.model, "parameters": param_count(model), "gen": args.gen,
+                      "reps": args.reps, "threads": args.threads or 1, "dtype": args.dtype, **versions(),
+                      "rows": out}))
     return 0
 
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m bench.unpad", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint (and, with --shape, the tokenizer)")
+    p.add_argument("--shape", choices=sorted(n for n in SHAPES if "hf" not in SHAPES[n] and
+                                             SHAPES[n].get("mask_token_id") is not None),
+                   help="random weights at this bench.workload shape instead of the checkpoint's")
     p.add_argument("--rows", nargs="+", type=thread_count, default=[8, 32])
     p.add_argument("--gen", nargs="+", type=thread_count, default=[64, 32])
     p.add_argument("--reps", type=thread_count, default=7)

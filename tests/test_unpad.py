@@ -106,3 +106,15 @@ def test_the_shipped_model_in_float32_gives_the_same_logits_and_runs_fewer_colum
     row = next(line for line in table.splitlines() if line.startswith("| 8 |"))
     share, equal = row.split("|")[2].strip(), row.split("|")[6].strip()
     assert equal == "yes" and int(share.rstrip("%")) < 100
+
+
+def test_bench_unpad_at_a_random_shape(capsys):
+    """--shape: random weights at a bench.workload shape (the prompts from the checkpoint's tokenizer)."""
+    import json
+
+    from bench import unpad
+
+    assert unpad.main(["--shape", "tiny", "--rows", "4", "--reps", "1", "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["model"] == "tiny" and report["parameters"] > 0
+    assert report["rows"][0]["equal"] and report["rows"][0]["real_share"] < 1
