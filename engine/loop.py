@@ -458,11 +458,16 @@ class Decoder:
         run.rows[new] += 1
         run.first[new], run.pending[new] = False, True
 
-    def _reframe(self, run: BlockRun, batch: Batch, left: int, right: int) -> None:
-        """Rolling rows (no cache): the open block's rows on `batch`'s canvas, which gained `left`
-        columns before its first and `right` after its last (lost, where negative)."""
+    def _reframe(self, run: BlockRun, batch: Batch, left: int, right: int, keep_positions: bool = False) -> None:
+        """The open block's rows on `batch`'s canvas, which gained `left` columns before its first
+        and `right` after its last (lost, where negative: rolling rows, no cache). Positions are the
+        batch's, or with `keep_positions` (left, right >= 0) those the block's cached keys were
+        computed at (RoPE is relative; the new columns are padding): the next block's first call
+        takes the batch's, and a fresh cache."""
         run.x = pad_columns(run.x, left, right, batch.pad_id)
-        run.valid, run.pos, run.gen_start = batch.valid[run.seqs], batch.pos[run.seqs], batch.gen_start[run.seqs]
+        run.valid, run.gen_start = batch.valid[run.seqs], batch.gen_start[run.seqs]     # columns moved by `left`
+        run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1) \
+            if keep_positions else batch.pos[run.seqs]
         run.stop_at = torch.where(run.stop_at >= 0, run.stop_at + left, run.stop_at)
         run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left,
                                       span=batch.span)
@@ -473,32 +478,29 @@ class Decoder:
         model, whose draws are the batch's shapes: its rows leave at the next boundary."""
         return self.uniform is None
 
-    def _drop(self, state: BatchState, rows: list[int]) -> None:
-        """Batch rows `rows` leave the open block and the batch at once. A rolling batch (no cache)
-        is trimmed; with a cache the columns stay (the block's cache is laid out on them) and the
-        rows' cache rows stay behind (`BlockRun.cache_rows`). No row left in the block: the state is
-        at a boundary."""
-        batch, run, gone = state.batch, state.run, set(rows)
-        keep = [b for b in range(batch.x.shape[0]) if b not in gone]
-        state.sent = [state.sent[b] for b in keep]
-        if not keep:
-            state.batch = state.run = None
-            return
-        dev = batch.x.device
-        index = torch.full((batch.x.shape[0],), -1, dtype=torch.long, device=dev)
-        index[torch.tensor(keep, device=dev)] = torch.arange(len(keep), device=dev)
-        stay = [i for i, b in enumerate(run.seqs.tolist()) if b not in gone]
-        run = run.take(torch.tensor(stay, dtype=torch.long, device=dev))
-        run.seqs = index[run.seqs]
-        state.batch = batch = batch.take(torch.tensor(keep, device=dev))
-        state.run = run if stay else None
-        if not state.rolling:
+    def _keep(self, state: BatchState, keep: list[int]) -> None:
+        """Only batch rows `keep` (a non-empty list, in order) stay in `state`, renumbered, the open
+        block's with them. The canvas is trimmed, but not under an open block with a cache: its
+        columns stay (the block's cache is laid out on them) and the left rows' cache rows stay
+        behind (`BlockRun.cache_rows`). No row left in the block: the state is at a boundary."""
+        batch, run, dev = state.batch, state.run, state.batch.x.device
+        at = torch.tensor(keep, device=dev)
+        if run is not None:
+            index = torch.full((batch.x.shape[0],), -1, dtype=torch.long, device=dev)
+            index[at] = torch.arange(len(keep), device=dev)
+            kept = set(keep)
+            stay = [i for i, b in enumerate(run.seqs.tolist()) if b in kept]
+            state.run = run.take(torch.tensor(stay, dtype=torch.long, device=dev)) if stay else None
+            if state.run is not None:
+                state.run.seqs = index[state.run.seqs]
+        state.batch = batch = batch.take(at)
+        if run is not None and not state.rolling:
             return
         left, right, span = batch.trim_shift(self.mc.logit_shift)
-        state.batch = batch = batch.shift(left, right, lambda valid: position_ids(self.mc, valid))
-        batch.span = span
-        if stay:
-            self._reframe(run, batch, left, right)
+        state.batch = batch.shift(left, right, lambda valid: position_ids(self.mc, valid))
+        state.batch.span = span                  # exact again (rows that left may have been the longest)
+        if state.run is not None:
+            self._reframe(state.run, state.batch, left, right)
 
     @property
     def joins_inside_a_block(self) -> bool:
@@ -571,16 +573,11 @@ class Decoder:
         that joined are longer), `right` after; their cached keys padded with invisible ones. The
         block's calls take the batch's span (engine/cache.py: packed calls) even when nothing widens."""
         if left or right:
-            run.x = pad_columns(run.x, left, right, batch.pad_id)
-            run.valid, run.gen_start = batch.valid[run.seqs], batch.gen_start[run.seqs]     # columns moved by `left`
-            run.stop_at = torch.where(run.stop_at >= 0, run.stop_at + left, run.stop_at)
-            # positions stay those the block's cached keys were computed at (RoPE is relative; the new
-            # columns are padding): the next block's first call takes the batch's, and a fresh cache
-            run.pos = torch.cat((run.pos[:, :1].expand(-1, left), run.pos, run.pos[:, -1:].expand(-1, right)), 1)
+            self._reframe(run, batch, left, right, keep_positions=True)
         elif batch.span == run.win.span:
             return
-        run.win = dataclasses.replace(run.win, lo=run.win.lo + left, prompt_width=run.win.prompt_width + left,
-                                      span=batch.span)
+        else:
+            run.win = dataclasses.replace(run.win, span=batch.span)
         if run.cache is not None:     # every mode caches from column 0 on: `left` invisible keys first
             run.cache = self.cache_mode.widen(run.cache, run.win, run.x.shape[1], left, rows=batch.x.shape[0])
 
@@ -593,27 +590,22 @@ class Decoder:
         once too, the others renumbered in order (with a cache their cache rows stay behind, unused,
         until the block closes)."""
         state.version += 1
-        if state.run is not None and (state.rolling or now and self.drops_at_once):
-            if rows:
-                self._drop(state, rows)
+        if state.run is not None and not rows:
             return
-        if state.run is not None:
-            if not rows:
-                return
+        if state.run is not None and not (state.rolling or now and self.drops_at_once):
             gone = torch.tensor(rows, device=state.run.seqs.device)
             state.run.retire(torch.isin(state.run.seqs, gone))
             b = state.batch
             b.retired = torch.zeros_like(b.stop_at, dtype=torch.bool) if b.retired is None else b.retired
             b.retired[gone] = True                       # and no later block's calls
             return
-        keep = [b for b in range(state.batch.x.shape[0]) if b not in set(rows)]     # (none left: trimmed only)
+        gone = set(rows)
+        keep = [b for b in range(state.batch.x.shape[0]) if b not in gone]     # (none left: trimmed only)
         state.sent = [state.sent[b] for b in keep]
         if not keep:
-            state.batch = None
+            state.batch = state.run = None
             return
-        pos = lambda valid: position_ids(self.mc, valid)     # noqa: E731
-        kept = state.batch.take(torch.tensor(keep, device=state.batch.x.device))
-        state.batch = kept.trimmed(pos, self.mc.logit_shift)
+        self._keep(state, keep)
 
     def results(self, state: BatchState, rows=None, seconds=None) -> list[SequenceResult]:
         """The `SequenceResult`s of the batch's rows (all, or `rows`), from what is settled."""
