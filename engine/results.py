@@ -1,14 +1,32 @@
 """What decoding returns: one `SequenceResult` per prompt, and statistics over many (§5)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from .state import Commits
+
+
+def _commit_fields(cls):
+    """Give `cls` (before @dataclass) a field `commit_<name>` for every field of `Commits` that it
+    does not declare itself: per generated token, that field's host form (`Commits.lists`), None
+    where the record does not keep it. So a new per-token output reaches every result without a
+    line here."""
+    for f in dataclasses.fields(Commits):
+        name = f"commit_{f.name}"
+        if name not in cls.__annotations__:
+            cls.__annotations__[name] = "list | None"
+            setattr(cls, name, None)
+    return cls
+
 
 @dataclass
+@_commit_fields
 class SequenceResult:
-    """What one prompt produced, and how (docs/algorithms.md §5)."""
+    """What one prompt produced, and how (docs/algorithms.md §5). The `commit_*` fields are per
+    generated token, one per field of `engine.state.Commits` (declared here where documented)."""
 
     token_ids: list[int]          # generated ids up to and including the stop token
     calls: int                    # model calls this sequence took part in
@@ -30,14 +48,18 @@ class SequenceResult:
     text: str | None = None
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("text", "token_ids", "calls", "tokens", "tpf", "seconds", "rows_per_call",
-                                           "stopped", "commit_call", "commit_step", "commit_source", "commit_block",
-                                           "commit_prob")}
-        if self.commit_top is not None:
-            d["commit_top"] = [[list(t) for t in top] for top in self.commit_top]
-        d["accepted_depth"] = {str(k): v for k, v in sorted(self.accepted_depth.items())}
-        d["draft_nodes"] = {str(k): v for k, v in sorted(self.draft_nodes.items())}
+        """JSON-ready: every field (a per-token one only where kept), histograms keyed by str."""
+        d = {"text": self.text}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "text" and not (v is None and f.name.startswith("commit_")):
+                d[f.name] = {str(k): c for k, c in sorted(v.items())} if isinstance(v, dict) else _plain(v)
         return d
+
+
+def _plain(v):
+    """Tuples (a top alternative's (id, probability)) as lists, all the way down."""
+    return [_plain(e) for e in v] if isinstance(v, (list, tuple)) else v
 
 
 @dataclass
@@ -127,7 +149,6 @@ def collect_results(batch, block_length: int, seconds, rows=None) -> list[Sequen
     lead = ((batch.gen_start[idx] - batch.prompt_width) % block_length).tolist()   # --align sequence: prompt in block 0
     calls, n_rows, stop_at = batch.calls[idx].tolist(), batch.rows[idx].tolist(), batch.stop_at[idx].tolist()
     rec = batch.commits.take(idx).map(lambda _, t: t.cpu())
-    c_call, c_step, c_src, c_prob, c_top = rec.call, rec.step, rec.source, rec.prob, rec.top
     depth_hist, nodes_hist = batch.depth_hist[idx].tolist(), batch.nodes_hist[idx].tolist()
     secs = seconds if isinstance(seconds, (list, tuple)) else [seconds] * len(rows)
     out = []
@@ -140,18 +161,11 @@ def collect_results(batch, block_length: int, seconds, rows=None) -> list[Sequen
         out.append(SequenceResult(
             token_ids=x[b, span].tolist(), calls=ncall, tokens=n, tpf=n / max(ncall, 1), seconds=secs[b],
             rows_per_call=n_rows[b] / max(ncall, 1), stopped=stopped,
-            commit_call=c_call[b, span].tolist(), commit_step=c_step[b, span].tolist(),
-            commit_source=c_src[b, span].tolist(), commit_prob=c_prob[b, span].tolist(),
             commit_block=[(lead[b] + i) // block_length for i in range(n)],
-            commit_top=None if c_top is None else _tops(c_top[b, span]),
+            **{f"commit_{name}": v for name, v in rec.lists(b, span).items()},
             accepted_depth={d: int(c) for d, c in enumerate(depth_hist[b]) if c},
             draft_nodes={k: int(c) for k, c in enumerate(nodes_hist[b]) if c}))
     return out
-
-
-def _tops(t: torch.Tensor) -> list[list[tuple[int, float]]]:
-    """[n, k, 2] float64 (id, probability) -> per position, k (int id, float) pairs."""
-    return [[(int(i), p) for i, p in row] for row in t.tolist()]
 
 
 def final_lengths(batch, run, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,6 +228,6 @@ def final_pieces(batch, run, mask_id: int, sent: list[int]):
         fresh = n > sent[b]                          # rows with nothing new read nothing
         pieces.append(x[b, new].tolist() if fresh else [])
         probs.append(prob[b, new].tolist() if fresh else [])
-        tops.append(None if top is None else _tops(top[b, new]) if fresh else [])
+        tops.append(None if top is None else Commits.HOST["top"](top[b, new]) if fresh else [])
         sent[b] = max(sent[b], n)
     return pieces, probs, tops, [bool(e) for e in ended]

@@ -34,8 +34,9 @@ def pad_columns(t: torch.Tensor, left: int, right: int, fill, dim: int = 1) -> t
 class Commits:
     """How each generated position was committed, one record per batch or block ([R, N] tensors, by
     canvas column; `top` [R, N, k, 2]). A new per-token output is one field here (its fill value in
-    `FILL`), written where the loop commits and read where results are built; `take`, `put`,
-    `write`, `shift` and `cat` move every field together."""
+    `FILL`, its host form in `HOST` if not `tolist()`), written where the loop commits; `take`,
+    `put`, `write`, `shift` and `cat` move every field together, and every field reaches each
+    `SequenceResult` as `commit_<field>` (`lists`; engine/results.py names none of them)."""
 
     call: torch.Tensor             # the call whose output committed it (-1: none)
     step: torch.Tensor             # its step inside the block
@@ -45,6 +46,7 @@ class Commits:
                                       # tokens in the output that committed it (ids exact in float64)
 
     FILL: ClassVar[dict] = {"call": -1, "step": -1, "source": 0, "prob": 0.0, "top": 0.0}
+    HOST: ClassVar[dict] = {"top": lambda t: [[(int(i), p) for i, p in pos] for pos in t.tolist()]}  # (id, prob) pairs
 
     @classmethod
     def empty(cls, rows: int, columns: int, top_k: int, device) -> "Commits":
@@ -55,8 +57,14 @@ class Commits:
                    full("top", top_k, 2, dtype=torch.float64) if top_k else None)
 
     def map(self, fn) -> "Commits":
-        return Commits(**{f.name: None if getattr(self, f.name) is None else fn(f.name, getattr(self, f.name))
+        return type(self)(**{f.name: None if getattr(self, f.name) is None else fn(f.name, getattr(self, f.name))
                           for f in dataclasses.fields(self)})
+
+    def lists(self, row: int, cols=slice(None)) -> dict:
+        """Row `row`'s columns `cols` of every field this record keeps, as Python lists by field name
+        (one host read per field: call it on a record already on the host)."""
+        return {f.name: self.HOST.get(f.name, torch.Tensor.tolist)(getattr(self, f.name)[row, cols])
+                for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
     def take(self, rows=slice(None), cols=slice(None)) -> "Commits":
         """A copy of rows `rows` (indices or a slice), columns `cols`."""
