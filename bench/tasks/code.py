@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
-from .common import (DATA_DIR, ID, OBJECT, STR, STR_LIST, Rng, assemble_program, check_code, check_fields,
+from .common import (DATA_DIR, ID, OBJECT, STR, STR_LIST, Rng, assemble_program, code_suite,
                      extract_code, normalize_prompt, qa_prompt, read_jsonl)
 
 NAME = "code"
@@ -511,18 +511,4 @@ def build_program(completion: str, problem: dict) -> str | None:
     return assemble_program(extract_code(completion, target["entry_point"]), target["tests"])
 
 
-def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> bool:
-    """True iff the extracted function passes all of the problem's asserts."""
-    return check_code([completion], [problem], build_program, timeout_s, isolation)[0]
-
-
-def score_batch(completions: Sequence[str], problems: Sequence[dict],
-                timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> list[bool]:
-    """Same verdicts as ``score`` for each pair, in one sandbox call."""
-    return check_code(completions, problems, build_program, timeout_s, isolation)
-
-
-def check(problems: Sequence[dict], source: str) -> None:
-    """A one-line ValueError unless every problem has the fields ``FIELDS`` names (bench.eval
-    calls it on all rows before decoding anything)."""
-    check_fields(problems, FIELDS, source)
+score, score_batch, check = code_suite(build_program, FIELDS, TIMEOUT_S)

@@ -411,6 +411,27 @@ def check_code(completions: Sequence[str], problems: Sequence[dict],
     return out
 
 
+def code_suite(build_program: Callable[[str, dict], str | None], fields: dict, timeout_s: float):
+    """A code suite's checker, from its ``build_program`` and ``FIELDS``: ``(score, score_batch,
+    check)``, the module functions bench.eval calls (each suite module binds them)."""
+
+    def score(completion: str, problem: dict, timeout_s: float = timeout_s, *, isolation: str | None = None) -> bool:
+        """True iff the program built from ``completion`` passes all of the problem's tests."""
+        return check_code([completion], [problem], build_program, timeout_s, isolation)[0]
+
+    def score_batch(completions: Sequence[str], problems: Sequence[dict], timeout_s: float = timeout_s, *,
+                    isolation: str | None = None) -> list[bool]:
+        """Same verdicts as ``score`` for each pair, in one sandbox call."""
+        return check_code(completions, problems, build_program, timeout_s, isolation)
+
+    def check(problems: Sequence[dict], source: str) -> None:
+        """A one-line ValueError unless every problem has the suite's fields (bench.eval calls it on
+        all rows before decoding anything)."""
+        check_fields(problems, fields, source)
+
+    return score, score_batch, check
+
+
 # --------------------------------------------------------------------------
 # does the task fit the model's window?
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
-from .common import ID, OBJECT, STR, assemble_program, check_code, check_fields, read_jsonl, require_file, truncate_at
+from .common import ID, OBJECT, STR, assemble_program, code_suite, read_jsonl, require_file, truncate_at
 
 NAME = "humaneval"
 TIMEOUT_S = 5.0
@@ -105,16 +105,4 @@ def build_program(completion: str, problem: dict) -> str:
                         [t["test"], "", f"check({t['entry_point']})"])
 
 
-def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> bool:
-    return check_code([completion], [problem], build_program, timeout_s, isolation)[0]
-
-
-def score_batch(completions: Sequence[str], problems: Sequence[dict],
-                timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> list[bool]:
-    return check_code(completions, problems, build_program, timeout_s, isolation)
-
-
-def check(problems: Sequence[dict], source: str) -> None:
-    """A one-line ValueError unless every problem has the fields ``FIELDS`` names (bench.eval
-    calls it on all rows before decoding anything)."""
-    check_fields(problems, FIELDS, source)
+score, score_batch, check = code_suite(build_program, FIELDS, TIMEOUT_S)

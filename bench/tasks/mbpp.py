@@ -41,11 +41,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
-from .common import (DATA_DIR, _FENCE, _compiles, assemble_program, check_code,
+from .common import (DATA_DIR, _FENCE, _compiles, assemble_program, code_suite,
                      extract_code, read_jsonl, require_file, truncate_at,
-                     ID, OBJECT, OPT_STR, STR, STR_LIST, check_fields, read_data)
+                     ID, OBJECT, OPT_STR, STR, STR_LIST, read_data)
 
 NAME = "mbpp"
 DATA_FILE = DATA_DIR / "mbpp" / "mbpp.jsonl"
@@ -163,16 +163,4 @@ def build_program(completion: str, problem: dict) -> str | None:
                         imports="\n".join(t.get("imports") or ()), setup=t.get("setup") or "")
 
 
-def score(completion: str, problem: dict, timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> bool:
-    return check_code([completion], [problem], build_program, timeout_s, isolation)[0]
-
-
-def score_batch(completions: Sequence[str], problems: Sequence[dict],
-                timeout_s: float = TIMEOUT_S, *, isolation: str | None = None) -> list[bool]:
-    return check_code(completions, problems, build_program, timeout_s, isolation)
-
-
-def check(problems: Sequence[dict], source: str) -> None:
-    """A one-line ValueError unless every problem has the fields ``FIELDS`` names (bench.eval
-    calls it on all rows before decoding anything)."""
-    check_fields(problems, FIELDS, source)
+score, score_batch, check = code_suite(build_program, FIELDS, TIMEOUT_S)
