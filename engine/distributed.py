@@ -424,8 +424,7 @@ class Follower:
 
     def stream(self, prompts):
         results = follow(self.model)
-        yield StreamUpdate([r.token_ids for r in results], results, [r.commit_prob for r in results],
-                           [r.commit_top for r in results])
+        yield StreamUpdate([r.token_ids for r in results], results, [r.per_token() for r in results])
 
 
 def decoder(model, config=None):

@@ -21,7 +21,7 @@ temperature 0 its tokens are those of a single-request run.
     h = live.add(prompt_ids)                  # joins with the next step (its first call made then)
     while (update := live.step()) is not None:     # one model call per step
         update.pieces.get(h)                  # tokens that became final with that call
-        update.probs.get(h)                   # and their commit_prob
+        update.commits.get(h)                 # and their per-token record (update.probs: its commit_prob)
         update.done.get(h)                    # its SequenceResult, once it is done
 """
 from __future__ import annotations
@@ -46,10 +46,17 @@ class LiveUpdate:
 
     pieces: dict[int, list[int]] = field(default_factory=dict)
     done: dict[int, SequenceResult] = field(default_factory=dict)
-    probs: dict[int, list[float]] = field(default_factory=dict)   # the pieces' commit_prob
-    tops: dict[int, list | None] = field(default_factory=dict)    # and commit_top (None without --top-logprobs)
+    commits: dict[int, dict[str, list]] = field(default_factory=dict)   # the pieces' per-token record, by field
     rows: int = 0                       # sequences in the batch during this call
     handles: tuple = ()                 # and their handles (rows that ended with it have left by now)
+
+    @property
+    def probs(self) -> dict[int, list[float]]:          # the pieces' commit_prob
+        return {h: c["prob"] for h, c in self.commits.items()}
+
+    @property
+    def tops(self) -> dict[int, list | None]:           # and commit_top (None without --top-logprobs)
+        return {h: c.get("top") for h, c in self.commits.items()}
 
 
 class LiveBatch:
@@ -135,9 +142,9 @@ class LiveBatch:
         update, self._ended = self._ended, LiveUpdate()
         update.rows, update.handles = len(self.handles), tuple(self.handles)
         final = out.final()              # per row, in the batch's order (the state counts what was handed out)
-        for h, piece, prob, top in zip(self.handles, final.pieces, final.probs, final.tops):
+        for h, piece, rec in zip(self.handles, final.pieces, final.commits):
             if piece and h not in self.cancelled:
-                update.pieces[h], update.probs[h], update.tops[h] = piece, prob, top
+                update.pieces[h], update.commits[h] = piece, rec
         over = [b for b, (h, e) in enumerate(zip(self.handles, final.ended))
                 if e and h not in self.answered and h not in self.cancelled]
         if over:
@@ -167,9 +174,8 @@ class LiveBatch:
         rest = res.token_ids[sent[b]:]
         if rest:
             update.pieces[h] = update.pieces.get(h, []) + rest
-            update.probs[h] = update.probs.get(h, []) + res.commit_prob[sent[b]:]
-            if res.commit_top is not None:
-                update.tops[h] = (update.tops.get(h) or []) + res.commit_top[sent[b]:]
+            had = update.commits.get(h, {})
+            update.commits[h] = {k: had.get(k, []) + v for k, v in res.per_token(sent[b]).items()}
         sent[b] = len(res.token_ids)
         update.done[h] = res
 

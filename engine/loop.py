@@ -617,19 +617,18 @@ class Decoder:
         the tokens that became final with that call (the left-most fully committed prefix grows;
         tokens committed out of order inside a block wait for the masks before them). The last
         update also carries the `SequenceResult`s; its pieces end every sequence, so the pieces
-        of a sequence concatenate to exactly its `token_ids` (their `probs` to its `commit_prob`, their
-        `tops` to its `commit_top`).
+        of a sequence concatenate to exactly its `token_ids` (their `commits` to its `per_token()`:
+        `probs` to its `commit_prob`, `tops` to its `commit_top`).
         Reads back [B] values per call. `seeds`: as for `start`."""
         state = self.start(prompts, seeds=seeds)
         with torch.no_grad():
             while not state.done:
                 if out := self.step(state):
                     f = out.final()
-                    yield StreamUpdate(f.pieces, probs=f.probs, tops=f.tops)
+                    yield StreamUpdate(f.pieces, commits=f.commits)
         results, sent = self.results(state), state.sent
-        pieces = [r.token_ids[n:] for r, n in zip(results, sent)]
-        yield StreamUpdate(pieces, results, [r.commit_prob[n:] for r, n in zip(results, sent)],
-                           [None if r.commit_top is None else r.commit_top[n:] for r, n in zip(results, sent)])
+        yield StreamUpdate([r.token_ids[n:] for r, n in zip(results, sent)], results,
+                           [r.per_token(n) for r, n in zip(results, sent)])
 
     @torch.no_grad()
     def generate(self, prompts) -> list[SequenceResult]:

@@ -47,6 +47,12 @@ class SequenceResult:
     draft_nodes: dict[int, int] = field(default_factory=dict)     # graph nodes verified (root incl.) per such call
     text: str | None = None
 
+    def per_token(self, start: int = 0) -> dict[str, list]:
+        """Tokens `start`.. of every kept field of the per-token record (`engine.state.Commits`), by
+        field name: what a `StreamUpdate`'s or `LiveUpdate`'s `commits` holds for them."""
+        kept = ((f.name, getattr(self, f"commit_{f.name}")) for f in dataclasses.fields(Commits))
+        return {name: v[start:] for name, v in kept if v is not None}
+
     def as_dict(self) -> dict:
         """JSON-ready: every field (a per-token one only where kept), histograms keyed by str."""
         d = {"text": self.text}
@@ -64,24 +70,40 @@ def _plain(v):
 
 @dataclass
 class StreamUpdate:
-    """What `Decoder.stream` yields after every model call (and once at the end)."""
+    """What `Decoder.stream` yields after every model call (and once at the end): per sequence, the
+    tokens that became final and their per-token record (`commits`: each field of
+    `engine.state.Commits` the decoder keeps, as `SequenceResult.per_token` gives it)."""
 
     pieces: list[list[int]]                          # per sequence: token ids that became final
     results: list[SequenceResult] | None = None      # the last update only: what generate returns
-    probs: list[list[float]] | None = None           # per sequence: those tokens' commit_prob
-    tops: list[list | None] | None = None            # per sequence: their commit_top (--top-logprobs), else None
+    commits: list[dict[str, list]] | None = None     # per sequence: those tokens' record, by field
+
+    @property
+    def probs(self) -> list[list[float]] | None:     # per sequence: those tokens' commit_prob
+        return None if self.commits is None else [c["prob"] for c in self.commits]
+
+    @property
+    def tops(self) -> list[list | None] | None:      # and commit_top (--top-logprobs), else None
+        return None if self.commits is None else [c.get("top") for c in self.commits]
 
 
 @dataclass
 class Final:
     """Per batch row (in the batch's order): the tokens that became final and were not handed out
-    before, their commit_prob and commit_top (None without --top-logprobs), and whether the row's
-    sequence is over (`final_pieces`)."""
+    before, their per-token record (`commits`, by field: `probs` and `tops` are two of them, `tops`
+    None without --top-logprobs), and whether the row's sequence is over (`final_pieces`)."""
 
     pieces: list[list[int]]
-    probs: list[list[float]]
-    tops: list[list | None]
+    commits: list[dict[str, list]]
     ended: list[bool]
+
+    @property
+    def probs(self) -> list[list[float]]:
+        return [c["prob"] for c in self.commits]
+
+    @property
+    def tops(self) -> list[list | None]:
+        return [c.get("top") for c in self.commits]
 
 
 class StepOutput:
@@ -113,7 +135,7 @@ class StepOutput:
             if st.version != self._version:
                 raise RuntimeError("StepOutput.final(): the state changed since this step (ask before the next "
                                    "step, join or leave)")
-            self._final = Final([], [], [], []) if st.batch is None else \
+            self._final = Final([], [], []) if st.batch is None else \
                 Final(*final_pieces(st.batch, st.run, self._mask_id, st.sent))
         return self._final
 
@@ -206,28 +228,26 @@ def ended_rows(batch, run) -> torch.Tensor:
 
 def final_pieces(batch, run, mask_id: int, sent: list[int]):
     """Tokens of every sequence that are final now and were not sent yet (updates `sent`): the
-    generation up to its first masked position, or up to its stop token; and their commit_prob
-    and commit_top (None without --top-logprobs; a final token's are final too). Returns (pieces,
-    probs, tops, ended): a list each, `ended` the rows whose sequence is over (`ended_rows`); `run`:
-    the open block, None at a block boundary. Reads
-    back [B] values and the new tokens (streaming and continuous batching only; generate never
-    calls this)."""
+    generation up to its first masked position, or up to its stop token; and their per-token
+    record (`Commits.lists`: a final token's is final too). Returns (pieces, commits, ended): a
+    list each, `ended` the rows whose sequence is over (`ended_rows`); `run`: the open block, None
+    at a block boundary. Reads back [B] values, then the new tokens and their record in one read
+    per field for all rows (streaming and continuous batching only; generate never calls this)."""
     x, final = final_lengths(batch, run, mask_id)
-    prob, top = batch.commits.prob, batch.commits.top
+    rec = batch.commits
     if run is not None:                                                    # the open block's rows
-        span = slice(run.win.lo, run.win.lo + run.commits.prob.shape[1])
-        prob = prob.clone()
-        prob[run.seqs, span] = run.commits.prob
-        if top is not None:
-            top = top.clone()
-            top[run.seqs, span] = run.commits.top
+        rec = rec.map(lambda _, t: t.clone())
+        rec.put(run.commits, run.seqs, slice(run.win.lo, run.win.lo + run.commits.prob.shape[1]))
     final, start, ended = torch.stack((final, batch.gen_start, ended_rows(batch, run).long())).tolist()  # one read
-    pieces, probs, tops = [], [], []
+    fresh = [b for b, n in enumerate(final) if n > sent[b]]               # rows with nothing new read nothing
+    pieces, commits = [[] for _ in final], [{k: [] for k in rec.kept()} for _ in final]
+    if fresh:                    # the fresh rows' columns, read back once for all of them
+        lo, hi = min(start[b] + sent[b] for b in fresh), max(start[b] + final[b] for b in fresh)
+        idx = torch.tensor(fresh, device=x.device)
+        xs, host = x[idx, lo:hi].cpu(), rec.take(idx, slice(lo, hi)).map(lambda _, t: t.cpu())
+        for i, b in enumerate(fresh):
+            new = slice(start[b] + sent[b] - lo, start[b] + final[b] - lo)
+            pieces[b], commits[b] = xs[i, new].tolist(), host.lists(i, new)
     for b, n in enumerate(final):
-        new = slice(start[b] + sent[b], start[b] + n)
-        fresh = n > sent[b]                          # rows with nothing new read nothing
-        pieces.append(x[b, new].tolist() if fresh else [])
-        probs.append(prob[b, new].tolist() if fresh else [])
-        tops.append(None if top is None else Commits.HOST["top"](top[b, new]) if fresh else [])
         sent[b] = max(sent[b], n)
-    return pieces, probs, tops, [bool(e) for e in ended]
+    return pieces, commits, [bool(e) for e in ended]

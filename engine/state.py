@@ -60,11 +60,14 @@ class Commits:
         return type(self)(**{f.name: None if getattr(self, f.name) is None else fn(f.name, getattr(self, f.name))
                           for f in dataclasses.fields(self)})
 
+    def kept(self) -> list[str]:
+        """The fields this record keeps (`top` only with --top-logprobs)."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+
     def lists(self, row: int, cols=slice(None)) -> dict:
         """Row `row`'s columns `cols` of every field this record keeps, as Python lists by field name
         (one host read per field: call it on a record already on the host)."""
-        return {f.name: self.HOST.get(f.name, torch.Tensor.tolist)(getattr(self, f.name)[row, cols])
-                for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return {name: self.HOST.get(name, torch.Tensor.tolist)(getattr(self, name)[row, cols]) for name in self.kept()}
 
     def take(self, rows=slice(None), cols=slice(None)) -> "Commits":
         """A copy of rows `rows` (indices or a slice), columns `cols`."""

@@ -73,3 +73,32 @@ def test_a_new_record_field_reaches_the_result_without_a_line_in_results(decoded
             assert res.as_dict()["commit_rank"] == res.commit_rank
     finally:
         state.batch.commits = rec
+
+
+@pytest.mark.parametrize("opts", [dict(method="psd", top_logprobs=2), dict(method="confidence", cache="dual"),
+                                  dict(method="psd", cross_block=True)], ids=str)
+def test_streamed_records_concatenate_to_the_results_record(opts):
+    """Every field of the record streams (`commits`), in `Decoder.stream` and in a `LiveBatch` with a
+    join: the pieces' records of a sequence concatenate to its result's `per_token()`."""
+    from engine.live import LiveBatch
+    cfg = ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62)
+    dec = Decoder(init_random(cfg, seed=2, std=0.5), DecodeConfig(gen_length=16, block_length=8, **opts))
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    updates = list(dec.stream(prompts))
+    for b, res in enumerate(updates[-1].results):
+        want = res.per_token()
+        assert set(want) >= {"call", "step", "source", "prob"} and ("top" in want) == ("top_logprobs" in opts)
+        assert {k: [v for u in updates for v in u.commits[b][k]] for k in want} == want
+        assert [p for u in updates for p in u.probs[b]] == res.commit_prob
+    live = LiveBatch(dec)
+    got, done, handles = {}, {}, [live.add(prompts[0])]
+    while (u := live.step()) is not None:
+        if len(handles) == 1:
+            handles.append(live.add(prompts[1]))             # joins a running batch
+        for h, rec in u.commits.items():
+            for k, v in rec.items():
+                got.setdefault(h, {}).setdefault(k, []).extend(v)
+        done.update(u.done)
+    assert sorted(done) == sorted(handles)
+    for h in handles:
+        assert got[h] == done[h].per_token()

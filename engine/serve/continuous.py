@@ -140,7 +140,7 @@ class ContinuousScheduler(Scheduler):
         for h, piece in update.pieces.items():
             j = live.jobs.get(h)
             if j is not None and not j.cancelled:
-                j.push("tokens", (piece, update.probs[h], update.tops.get(h)))
+                j.push("tokens", (piece, update.commits[h]["prob"], update.commits[h].get("top")))
         for h, res in update.done.items():
             j = live.jobs.pop(h, None)
             if j is not None and not j.cancelled:
