@@ -187,7 +187,7 @@ class Decoder:
         span = slice(run.win.lo, run.win.lo + run.win.width + run.win.ahead)
         batch.x[seqs] = run.x[rows]
         batch.calls[seqs], batch.rows[seqs], batch.stop_at[seqs] = run.calls[rows], run.rows[rows], run.stop_at[rows]
-        batch.commits.put(run.commits.take(rows), seqs, span)
+        batch.commits.put(seqs, run.commits.take(rows), span)
         batch.depth_hist[seqs], batch.nodes_hist[seqs] = run.depth_hist[rows], run.nodes_hist[rows]
         if run.policy_state is not None:
             batch.policy_state.put(seqs, run.policy_state.take(rows), span)

@@ -237,7 +237,7 @@ def final_pieces(batch, run, mask_id: int, sent: list[int]):
     rec = batch.commits
     if run is not None:                                                    # the open block's rows
         rec = rec.map(lambda _, t: t.clone())
-        rec.put(run.commits, run.seqs, slice(run.win.lo, run.win.lo + run.commits.prob.shape[1]))
+        rec.put(run.seqs, run.commits, slice(run.win.lo, run.win.lo + run.commits.prob.shape[1]))
     final, start, ended = torch.stack((final, batch.gen_start, ended_rows(batch, run).long())).tolist()  # one read
     fresh = [b for b, n in enumerate(final) if n > sent[b]]               # rows with nothing new read nothing
     pieces, commits = [[] for _ in final], [{k: [] for k in rec.kept()} for _ in final]

@@ -11,7 +11,6 @@ from models import position_ids
 
 from .cache import Window
 from .policies import PolicyState
-from .sampling import Sampler
 
 
 def pad_columns(t: torch.Tensor, left: int, right: int, fill, dim: int = 1) -> torch.Tensor:
@@ -30,12 +29,38 @@ def pad_columns(t: torch.Tensor, left: int, right: int, fill, dim: int = 1) -> t
     return torch.cat(parts, dim)
 
 
+def take_rows(v, rows: torch.Tensor):
+    """Rows `rows` (indices) of a per-row value of a batch or block: a tensor, a list (--sampler row:
+    the rows' generators) or a record that moves its rows itself (`Commits`, `PolicyState`)."""
+    if isinstance(v, torch.Tensor):
+        return v[rows]
+    return [v[i] for i in rows.tolist()] if isinstance(v, list) else v.take(rows)
+
+
+def put_rows(v, rows: torch.Tensor, other) -> None:
+    """Rows `rows` (indices) of the per-row value `v` become `other`'s rows."""
+    if isinstance(v, torch.Tensor):
+        v[rows] = other.to(v.dtype)
+    elif isinstance(v, list):
+        for i, r in enumerate(rows.tolist()):
+            v[r] = other[i]
+    else:
+        v.put(rows, other)
+
+
+def join_rows(a, b):
+    """The rows of the per-row value `a`, then of `b`'s."""
+    if isinstance(a, torch.Tensor):
+        return torch.cat((a, b.to(a.dtype)))
+    return a + b if isinstance(a, list) else a.join(b)
+
+
 @dataclass
 class Commits:
     """How each generated position was committed, one record per batch or block ([R, N] tensors, by
     canvas column; `top` [R, N, k, 2]). A new per-token output is one field here (its fill value in
     `FILL`, its host form in `HOST` if not `tolist()`), written where the loop commits; `take`,
-    `put`, `write`, `shift` and `cat` move every field together, and every field reaches each
+    `put`, `write`, `shift` and `join` move every field together, and every field reaches each
     `SequenceResult` as `commit_<field>` (`lists`; engine/results.py names none of them)."""
 
     call: torch.Tensor             # the call whose output committed it (-1: none)
@@ -73,8 +98,8 @@ class Commits:
         """A copy of rows `rows` (indices or a slice), columns `cols`."""
         return self.map(lambda _, t: t[rows, cols])
 
-    def put(self, other: "Commits", rows=slice(None), cols=slice(None)) -> None:
-        """Write `other` into rows `rows`, columns `cols`."""
+    def put(self, rows, other: "Commits", cols=slice(None)) -> None:
+        """Write `other` into rows `rows`, columns `cols` (`PolicyState.put`'s order)."""
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is not None:
                 getattr(self, f.name)[rows, cols] = getattr(other, f.name)
@@ -94,10 +119,9 @@ class Commits:
         """`left` fill columns before the first (removed if negative), `right` after the last."""
         return self.map(lambda name, t: pad_columns(t, left, right, self.FILL[name]))
 
-    @staticmethod
-    def cat(a: "Commits", b: "Commits") -> "Commits":
-        """The rows of `a`, then of `b` (same columns)."""
-        return a.map(lambda name, t: torch.cat((t, getattr(b, name).to(t.dtype))))
+    def join(self, other: "Commits") -> "Commits":
+        """These rows, then `other`'s (same columns)."""
+        return self.map(lambda name, t: torch.cat((t, getattr(other, name).to(t.dtype))))
 
 
 @dataclass
@@ -148,6 +172,10 @@ class Batch:
         """(name, value at a padded column) of every [B, N] tensor."""
         return (("x", self.pad_id), ("valid", False))
 
+    def _per_row(self) -> tuple[str, ...]:
+        """Every field with one entry per row."""
+        return self._rows() + tuple(n for n, _ in self._columns()) + ("pos", "policy_state", "commits", "gens")
+
     def _rows(self):
         return ("gen_start", "gen_len", "out_len", "retired", "calls", "rows", "stop_at", "depth_hist", "nodes_hist", "carry_pred",
                 "carry_conf", "carry_ok", "carry_step")
@@ -155,12 +183,9 @@ class Batch:
     def take(self, rows: torch.Tensor) -> "Batch":
         """The batch of these rows only (same columns)."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in self._rows() + tuple(n for n, _ in self._columns()) + ("pos",):
+        for name in self._per_row():
             v = getattr(self, name)
-            kw[name] = None if v is None else v[rows]
-        kw["policy_state"] = None if self.policy_state is None else self.policy_state.take(rows)
-        kw["commits"] = self.commits.take(rows)
-        kw["gens"] = Sampler.rows_of(self.gens, rows)
+            kw[name] = None if v is None else take_rows(v, rows)
         return Batch(**kw)
 
     def shift(self, left: int, right: int, position_ids) -> "Batch":
@@ -207,9 +232,9 @@ class Batch:
         self.pos = position_ids(self.valid)
         self.gen_start[rows] -= by
         self.stop_at[rows] = torch.where(self.stop_at[rows] >= 0, self.stop_at[rows] - by, self.stop_at[rows])
-        self.commits.put(self.commits.take(rows).shift(-by, by), rows)
-        if self.policy_state is not None:
-            self.policy_state.put(rows, self.policy_state.take(rows).shift(-by, by))
+        for rec in (self.commits, self.policy_state):
+            if rec is not None:
+                rec.put(rows, rec.take(rows).shift(-by, by))
 
 
 def join(a: Batch, b: Batch, position_ids) -> Batch:
@@ -222,12 +247,9 @@ def join(a: Batch, b: Batch, position_ids) -> Batch:
         a.retired, b.retired = (torch.zeros_like(v.stop_at, dtype=torch.bool) if v.retired is None else v.retired
                                 for v in (a, b))
     kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}
-    for name in a._rows() + tuple(n for n, _ in a._columns()) + ("pos",):
-        va, vb = getattr(a, name), getattr(b, name)
-        kw[name] = None if va is None else torch.cat((va, vb.to(va.dtype)))
-    kw["policy_state"] = None if a.policy_state is None else a.policy_state.join(b.policy_state)
-    kw["commits"] = Commits.cat(a.commits, b.commits)
-    kw["gens"] = None if a.gens is None else a.gens + b.gens
+    for name in a._per_row():
+        va = getattr(a, name)
+        kw[name] = None if va is None else join_rows(va, getattr(b, name))
     kw["span"] = max(a.span, b.span) if a.span and b.span else 0
     return Batch(**kw)
 
@@ -277,61 +299,37 @@ class BlockRun:
     def block(self, rows=slice(None)) -> torch.Tensor:
         return self.x[rows, self.win.lo:self.win.hi]
 
+    SHARED: ClassVar[tuple] = ("index", "win", "plan", "cache", "cache_rows")   # one per block, not per row
+
     def take(self, rows: torch.Tensor) -> "BlockRun":
         """The run of rows `rows` (indices) only, on the same cache (a mode without one: rolling rows)."""
-        kw = {}
-        for f in dataclasses.fields(self):
-            a = getattr(self, f.name)
-            if f.name == "cache_rows" and self.cache is not None:
-                kw[f.name] = self.rows_in_cache()[rows]
-            elif f.name in ("index", "win", "plan", "cache") or a is None:
-                kw[f.name] = a
-            elif isinstance(a, list):                   # --sampler row: the rows' generators
-                kw[f.name] = [a[i] for i in rows.tolist()]
-            else:
-                kw[f.name] = a[rows] if isinstance(a, torch.Tensor) else a.take(rows)   # Commits, PolicyState
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, v in kw.items():
+            if name not in self.SHARED and v is not None:
+                kw[name] = take_rows(v, rows)
+        if self.cache is not None or self.cache_rows is not None:
+            kw["cache_rows"] = self.rows_in_cache()[rows]
         return BlockRun(**kw)
 
     def put(self, rows: list[int], other: "BlockRun") -> None:
         """Rows `rows` (indices) become `other`'s rows (the same block window and plan)."""
         at = torch.tensor(rows, device=self.x.device)
         for f in dataclasses.fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("index", "win", "plan", "cache", "cache_rows") or a is None:
-                continue
-            if isinstance(a, list):
-                for i, r in enumerate(rows):
-                    a[r] = b[i]
-            elif isinstance(a, torch.Tensor):
-                a[at] = b.to(a.dtype)
-            elif isinstance(a, Commits):
-                a.put(b, at)
-            else:
-                a.put(at, b)                            # PolicyState
+            v = getattr(self, f.name)
+            if f.name not in self.SHARED and v is not None:
+                put_rows(v, at, getattr(other, f.name))
 
     def joined(self, other: "BlockRun", cache=None) -> "BlockRun":
         """These rows, then `other`'s (the same block, window and plan: rows that opened the block
-        later, `Decoder.join`); every per-row tensor, the commit record and the policy state
-        concatenated row-wise; `cache`, the two caches joined (the cache mode's `joined`)."""
-        kw = {"cache": cache, "cache_rows": None}
+        later, `Decoder.join`); every per-row value joined row-wise (`join_rows`); `cache`, the two
+        caches joined (the cache mode's `joined`)."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, v in kw.items():
+            if name not in self.SHARED and v is not None:
+                kw[name] = join_rows(v, getattr(other, name))
+        kw["cache"], kw["cache_rows"] = cache, None
         if self.cache_rows is not None or other.cache_rows is not None:   # the joined cache: ours, then theirs
             kw["cache_rows"] = torch.cat((self.rows_in_cache(), other.rows_in_cache() + self.cache.key_mask.shape[0]))
-        for f in dataclasses.fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("cache", "cache_rows"):
-                continue
-            if f.name in ("index", "win", "plan") or a is None:
-                kw[f.name] = a
-            elif isinstance(a, list):                   # --sampler row: the rows' generators
-                kw[f.name] = a + b
-            elif isinstance(a, torch.Tensor):
-                kw[f.name] = torch.cat((a, b.to(a.dtype)))
-            elif isinstance(a, Commits):
-                kw[f.name] = Commits.cat(a, b)
-            elif isinstance(a, PolicyState):
-                kw[f.name] = a.join(b)
-            else:
-                raise TypeError(f"BlockRun.joined: no rule to join the field {f.name} ({type(a).__name__})")
         return BlockRun(**kw)
 
     def rows_in_cache(self, rows=slice(None)) -> torch.Tensor:
