@@ -26,8 +26,9 @@ whether every request's tokens are equal across modes. The last line is one JSON
 from __future__ import annotations
 
 import collections
+import cProfile
 import json
-import statistics
+import pstats
 import sys
 import time
 
@@ -146,7 +147,20 @@ def run_static(dec_for, load: Load, clients: int, max_batch: int, meter: Meter |
     return out
 
 
-def measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: int, max_batch: int) -> dict:
+def measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: int, max_batch: int,
+            profile: bool = False) -> dict:
+    """One mode's run of the closed loop; `profile`: under cProfile (its stats in "profile")."""
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:
+        prof.enable()
+    try:
+        return _measure(mode, model, meter, config, load, clients, max_batch) | {"profile": prof}
+    finally:
+        if prof is not None:
+            prof.disable()
+
+
+def _measure(mode: str, model, meter: Meter, config: dict, load: Load, clients: int, max_batch: int) -> dict:
     max_batch = 1 if mode == "serial" else max_batch
     meter.calls = meter.columns = meter.rows = meter.held = 0
     t0, c0 = time.perf_counter(), time.process_time()
@@ -192,7 +206,10 @@ def run(args) -> int:
             runs = {m: [] for m in args.modes}
             for r in range(args.rounds):
                 for mode in (args.modes if r % 2 == 0 else args.modes[::-1]):
-                    runs[mode].append(measure(mode, model, meter, config, load, clients, args.max_batch))
+                    runs[mode].append(measure(mode, model, meter, config, load, clients, args.max_batch,
+                                              profile=bool(args.profile)))
+            if args.profile:
+                print_profile(cache, clients, runs, args.profile)
             first = runs[args.modes[0]]
             same = all(a["out"][i][0] == b["out"][i][0] for m in args.modes for a, b in zip(first, runs[m])
                        for i in a["out"])
@@ -207,6 +224,22 @@ def run(args) -> int:
                       "rounds": args.rounds, "threads": args.threads, "dtype": args.dtype, **versions(),
                       "rows": rows}))
     return 0
+
+
+def print_profile(cache: str, clients: int, runs: dict, top: int) -> None:
+    """Per mode, the `top` functions by their own time (cProfile, the rounds pooled): where one
+    scheduler's time per request goes that the other's does not."""
+    for mode, rs in runs.items():
+        stats = pstats.Stats(rs[0]["profile"])
+        for r in rs[1:]:
+            stats.add(r["profile"])
+        n = sum(len(r["out"]) for r in rs)
+        print(f"profile: cache {cache}, {clients} clients, {mode}, {n} requests, "
+              f"{stats.total_tt:.2f} s under the profiler\n| function | calls | own s | own ms / request |\n|---|---|---|---|")
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+        for (file, line, fn), (_, ncalls, own, _, _) in rows:
+            where = fn if file == "~" else f"{file.rsplit('/', 2)[-2]}/{file.rsplit('/', 1)[-1]}:{line}({fn})"
+            print(f"| `{where}` | {ncalls} | {own:.3f} | {1e3 * own / max(n, 1):.2f} |")
 
 
 def print_table(rows: list[dict], modes) -> None:
@@ -242,6 +275,9 @@ def main(argv=None) -> int:
                    help="whole-canvas calls on real positions only (Transformer.unpads; auto: on a CPU)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     add_threads_flag(p, "torch CPU threads (default 1: CPU time then measures one core)")
+    p.add_argument("--profile", type=thread_count, metavar="N",
+                   help="run each mode under cProfile and print its N functions with the most own time per cell "
+                        "(the profiler adds its own overhead: compare modes with each other, not with unprofiled runs)")
     args = p.parse_args(argv)
     if not {"continuous", "static"} <= set(args.modes):
         p.error("--modes needs continuous and static (the ratios are theirs)")

@@ -147,6 +147,14 @@ def test_serve_sim_compares_the_schedulers_on_the_same_requests(capsys):
     assert cols["on"]["continuous"] == cols["on"]["static"] == cols["on"]["by-length"] < cols["off"]["continuous"]
     rc, _, err = run_main(serve_sim.main, ["--method", "confidence:threshold=7", "--requests", "2"], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:")
+    # --profile: per mode, its functions by own time; the model's matmuls among them, the JSON still last
+    rc, out, err = run_main(serve_sim.main, args[:-3] + ["continuous", "static", "--profile", "4"], capsys)
+    assert rc == 0, err
+    heads = [line for line in out.splitlines() if line.startswith("profile: cache none, 3 clients")]
+    assert [h.split(", ")[2] for h in heads] == ["continuous", "static"]
+    tables = out.split("profile: ")[1:]
+    assert all(len([r for r in t.splitlines() if r.startswith("| `")]) == 4 and "linear" in t for t in tables)
+    assert json.loads(out.strip().splitlines()[-1])["rows"][0]["identical"]
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "pangu"])
