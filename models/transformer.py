@@ -229,18 +229,23 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False,
                 tokens: Tokens | None = None):
         """x [R, T, hidden], or with `tokens` [M, hidden]: the call's real positions only (the
-        projections run on those; attention on the [R, T] layout, padding zero)."""
+        projections, norms and RoPE run on those, `cos`/`sin` [M, 1, 1, D]; attention on the [R, T]
+        layout, padding zero)."""
         R, T = (x.shape[0], x.shape[1]) if tokens is None else (tokens.rows, tokens.width)
-        grid = (lambda t: t) if tokens is None else tokens.scatter
-        q = grid(self.wq(x)).view(R, T, self.h, self.d).transpose(1, 2)       # [R, H, T, D]
+        # [rows, heads, positions, D]: [R, H, T, D], or one position per real token [M, H, 1, D]
+        heads = (lambda t, n: t.view(R, T, n, self.d).transpose(1, 2)) if tokens is None else \
+            (lambda t, n: t.view(-1, n, 1, self.d))
         kp = self.wk(x)
-        k = grid(kp).view(R, T, self.hkv, self.d).transpose(1, 2)             # [R, Hkv, T, D]
-        v = grid(kp if self.wv is None else self.wv(x)).view(R, T, self.hkv, self.d).transpose(1, 2)
+        q, k = heads(self.wq(x), self.h), heads(kp, self.hkv)
+        v = heads(kp if self.wv is None else self.wv(x), self.hkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.v_norm is not None:
             v = self.v_norm(v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if tokens is not None:       # attention needs each row's layout: scatter (padding zero)
+            q, k, v = (tokens.scatter(t.reshape(t.shape[0], -1)).view(R, T, -1, self.d).transpose(1, 2)
+                       for t in (q, k, v))
         o = attend(q, k, v, own_mask, cache_kv, cache, all_own=self.bidirectional or decoder, scale=self.scale,
                    cache_mask=cache_mask).transpose(1, 2).reshape(R, T, self.h * self.d)
         return row_parallel(self.wo, o if tokens is None else tokens.gather(o), self.tp), (k, v)
@@ -549,8 +554,9 @@ class Transformer(nn.Module):
             if not decoder:
                 raise ValueError("self_cond / self_cond_rows are inputs of the decoder mode (decoder=True)")
             x = self.self_cond(x, self_cond, self_cond_rows, self.tok_embeddings.weight, c.embedding_scale)
+        rope_pos = pos if tokens is None else tokens.gather(pos[..., None])    # real positions only: [M, 1]
         if not c.layer_types:       # one attention shape for every layer: one RoPE, the caller's masks
-            cos, sin = rope_cos_sin(pos, c.rotary_dim or c.head_dim, c.rope_theta, x.dtype)
+            cos, sin = rope_cos_sin(rope_pos, c.rotary_dim or c.head_dim, c.rope_theta, x.dtype)
         ropes, windows, kvs = {}, {}, []
         for i, layer in enumerate(self.layers):
             kv_i = cache.layers[i] if cache is not None else None
@@ -559,7 +565,7 @@ class Transformer(nn.Module):
             else:
                 spec, w = layer.attn.rope, layer.attn.window
                 if spec not in ropes:
-                    ropes[spec] = rope_cos_sin(pos, spec[0], spec[1], x.dtype, spec[2])
+                    ropes[spec] = rope_cos_sin(rope_pos, spec[0], spec[1], x.dtype, spec[2])
                 if w not in windows:
                     windows[w] = self._window(w, pos, own_mask, cache, decoder)
                 m_own, m_cache, cm = windows[w]
