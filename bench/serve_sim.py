@@ -182,7 +182,8 @@ def summary(runs: list[dict]) -> dict:
     ttft = [v[2] for r in runs for v in r["out"].values()]
     wall, cpu = sum(r["wall"] for r in runs), sum(r["cpu"] for r in runs)
     return {"requests": n, "req_s": n / wall, "req_cpu_s": n / cpu, "p50_latency": pct(lat, 50),
-            "p50_ttft": pct(ttft, 50), "calls_per_request": sum(r["calls"] for r in runs) / n,
+            "p50_ttft": pct(ttft, 50), "p10_ttft": pct(ttft, 10), "p90_ttft": pct(ttft, 90),
+            "mean_ttft": sum(ttft) / max(len(ttft), 1), "calls_per_request": sum(r["calls"] for r in runs) / n,
             "columns_per_request": sum(r["columns"] for r in runs) / n,
             "rows_per_call": sum(r["rows"] for r in runs) / max(1, sum(r["calls"] for r in runs)),
             "held_per_call": sum(r["held"] for r in runs) / max(1, sum(r["calls"] for r in runs))}
@@ -243,14 +244,15 @@ def print_profile(cache: str, clients: int, runs: dict, top: int) -> None:
 
 
 def print_table(rows: list[dict], modes) -> None:
-    print("| cache | clients | mode | requests | req/s | req/CPU s | p50 latency s | p50 TTFT s | calls / request "
-          "| token-columns / request | canvases / call | sequences held / call |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| cache | clients | mode | requests | req/s | req/CPU s | p50 latency s | p50 TTFT s | TTFT p10 / p90 s "
+          "| mean TTFT s | calls / request | token-columns / request | canvases / call | sequences held / call |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         for m in modes:
             s = r[m]
             print(f"| {r['cache']} | {r['clients']} | {m} | {s['requests']} | {s['req_s']:.2f} | {s['req_cpu_s']:.2f} | "
-                  f"{s['p50_latency']:.3f} | {s['p50_ttft']:.3f} | {s['calls_per_request']:.2f} | "
+                  f"{s['p50_latency']:.3f} | {s['p50_ttft']:.3f} | {s['p10_ttft']:.2f} / {s['p90_ttft']:.2f} | "
+                  f"{s['mean_ttft']:.3f} | {s['calls_per_request']:.2f} | "
                   f"{s['columns_per_request']:.0f} | {s['rows_per_call']:.1f} | {s['held_per_call']:.1f} |")
     for r in rows:
         print(f"cache {r['cache']}, {r['clients']} clients: continuous ÷ static req/s {r['ratio_req_s']:.2f} "

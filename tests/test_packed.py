@@ -141,6 +141,8 @@ def test_serve_sim_compares_the_schedulers_on_the_same_requests(capsys):
         for mode in ("continuous", "static", "by-length"):
             assert row[mode]["requests"] == 5 and row[mode]["columns_per_request"] > 0 and \
                 row[mode]["calls_per_request"] > 0
+            r = row[mode]       # the TTFT spread: a bimodal static distribution shows in p10 / p90 and the mean
+            assert 0 < r["p10_ttft"] <= r["p50_ttft"] <= r["p90_ttft"] and r["p10_ttft"] <= r["mean_ttft"] <= r["p90_ttft"]
     cols = {u: {m: rows[u][m]["columns_per_request"] for m in ("continuous", "static", "by-length")} for u in rows}
     assert cols["off"]["by-length"] < cols["off"]["continuous"]        # every column runs: the 16-token rectangle
     # on real positions only, a request costs its own columns whatever it is batched with
