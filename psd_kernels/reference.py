@@ -255,9 +255,13 @@ class RowPlan:
     order    int64 [R]: the rows sorted by cache row (stable); cache row c serves the rows
              ``order[offsets[c]:offsets[c + 1]]``.
     offsets  int64 [C + 1].
-    slots, max_rows: the reference's padded layout ([C, max_rows] row slots; row r sits in slot
+    slots, max_rows: the reference's padded layout ([C', max_rows] row slots; row r sits in slot
              ``slots[r]``; ``rect``: the rows already are that layout), or None when the plan was
              made without it (the Triton kernel needs only order/offsets).
+    used     int64 [C'] or None: the cache rows that some row reads, in order, when not all of them
+             are (C' < C): the padded layout holds those only, so the reference never attends
+             from a cache row no query reads (a running batch's call holds only its rows still
+             decoding, while the cache keeps a row per sequence of the block).
     """
 
     row_map: torch.Tensor
@@ -267,6 +271,7 @@ class RowPlan:
     slots: torch.Tensor | None = None
     max_rows: int | None = None
     rect: bool = False
+    used: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -298,15 +303,20 @@ def plan_rows(row_map: torch.Tensor, cache_rows: int, *, padded: bool = True) ->
     if R == 0:
         return RowPlan(row_map, cache_rows, order, offsets, order, 0, True)
     counts = offsets[1:] - offsets[:-1]
-    n = counts.max()
-    # one read: the padding width, the range of the map, whether the rows already are [C, n]
+    n, has = counts.max(), counts > 0
+    # one read: the padding width, the range of the map, whether the rows already are [C, n], and
+    # how many cache rows some row reads
     rect = (counts == n).all() & (sorted_map == row_map).all()
-    n, lo, hi, rect = torch.stack((n, row_map.min(), row_map.max(), rect.long())).tolist()
+    n, lo, hi, rect, k = torch.stack((n, row_map.min(), row_map.max(), rect.long(), has.sum())).tolist()
     if lo < 0 or hi >= cache_rows:
         raise ValueError(f"row_map names cache rows {lo}..{hi}, but there are {cache_rows}")
     rank = torch.arange(R, device=dev) - offsets[sorted_map]        # place of each sorted row in its group
-    slots = torch.empty_like(order).index_copy_(0, order, sorted_map * n + rank)
-    return RowPlan(row_map, cache_rows, order, offsets, slots, n, bool(rect))
+    used, group = None, sorted_map
+    if k < cache_rows:           # the layout holds only the cache rows read: cache row c is its used[c']
+        used = torch.argsort((~has).to(torch.uint8), stable=True)[:k]
+        group = (torch.cumsum(has, 0) - 1)[sorted_map]
+    slots = torch.empty_like(order).index_copy_(0, order, group * n + rank)
+    return RowPlan(row_map, cache_rows, order, offsets, slots, n, bool(rect), used)
 
 
 def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask=None,
@@ -498,6 +508,11 @@ def _shared_part(qg, k_shared, v_shared, scale: float, shared_mask, row_map, C: 
     else:
         plan = (row_map if isinstance(row_map, RowPlan) else plan_rows(row_map, C)).padded()
     n = plan.max_rows
+    if plan.used is not None:          # only the cache rows some row reads (their keys copied once per layer)
+        C = plan.used.numel()
+        k_shared, v_shared = k_shared.index_select(0, plan.used), v_shared.index_select(0, plan.used)
+        if shared_mask is not None and shared_mask.dim() == 2:
+            shared_mask = shared_mask.index_select(0, plan.used)
     q_sh = torch.empty(C, Hkv, n, GL, D, dtype=acc, device=qg.device)
     if plan.rect:       # rows already [C, n]: permute and cast in one copy
         q_sh.copy_(qg.view(C, n, Hkv, GL, D).transpose(1, 2))

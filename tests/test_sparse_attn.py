@@ -285,14 +285,16 @@ def test_row_map_broadcast_shared_mask_and_plans(device):
             torch.testing.assert_close(lse.cpu().double(), want[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("maps", ["interleaved", "idle_cache_row"])
 @pytest.mark.parametrize("flash", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_reference_row_map_matches_naive(flash, dtype, monkeypatch):
+def test_reference_row_map_matches_naive(maps, flash, dtype, monkeypatch):
     """Both CPU paths of the reference (the fused SDPA kernel and the matmul fallback used off
-    CPU) against fp64 attention of every row on its own."""
+    CPU) against fp64 attention of every row on its own; with cache rows no row reads (left out
+    of the padded layout: `RowPlan.used`) too."""
     monkeypatch.setattr(reference, "USE_FLASH_CPU", flash and reference.USE_FLASH_CPU)
     gen = torch.Generator().manual_seed(11)
-    row_map, C = ROW_MAPS["interleaved"]
+    row_map, C = ROW_MAPS[maps]
     q, ks, vs, ko, vo, rm = make_rows(row_map, C, 8, 2, 9, 70, 32, dtype, gen, "cpu")
     sm = torch.rand(C, 70, generator=gen) < 0.7
     om = torch.rand(len(row_map), 9, 9, generator=gen) < 0.5
@@ -516,7 +518,9 @@ def test_plan_rows_checks():
     plan = reference.plan_rows(torch.tensor([2, 0, 2, 2]), 4)
     assert plan.max_rows == 3 and not plan.rect
     assert plan.order.tolist() == [1, 0, 2, 3] and plan.offsets.tolist() == [0, 1, 1, 4, 4]
-    assert plan.slots.tolist() == [6, 0, 7, 8]              # [C, 3] slots: cache row 2 starts at 6
+    # cache rows 1 and 3 are read by no row: the padded layout holds rows 0 and 2 only ([2, 3] slots)
+    assert plan.used.tolist() == [0, 2] and plan.slots.tolist() == [3, 0, 4, 5]
+    assert reference.plan_rows(torch.tensor([2, 0, 1, 3]), 4).used is None          # every cache row read
     assert reference.plan_rows(torch.tensor([0, 0, 1, 1]), 2).rect
     assert reference.plan_rows(torch.tensor([1, 1, 0, 0]), 2).rect is False      # right counts, wrong order
     lean = reference.plan_rows(torch.tensor([2, 0, 2, 2]), 4, padded=False)
