@@ -238,9 +238,14 @@ def print_profile(cache: str, clients: int, runs: dict, top: int) -> None:
         print(f"profile: cache {cache}, {clients} clients, {mode}, {n} requests, "
               f"{stats.total_tt:.2f} s under the profiler\n| function | calls | own s | own ms / request |\n|---|---|---|---|")
         rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
-        for (file, line, fn), (_, ncalls, own, _, _) in rows:
-            where = fn if file == "~" else f"{file.rsplit('/', 2)[-2]}/{file.rsplit('/', 1)[-1]}:{line}({fn})"
-            print(f"| `{where}` | {ncalls} | {own:.3f} | {1e3 * own / max(n, 1):.2f} |")
+        for where, (_, ncalls, own, _, _) in rows:
+            print(f"| `{function_name(*where)}` | {ncalls} | {own:.3f} | {1e3 * own / max(n, 1):.2f} |")
+
+
+def function_name(file: str, line: int, fn: str) -> str:
+    """A cProfile entry as `folder/module.py:line(function)`; a built-in as its name; a file with no
+    folder (`<frozen importlib._bootstrap>`) as it is."""
+    return fn if file == "~" else f"{'/'.join(file.split('/')[-2:])}:{line}({fn})"
 
 
 def print_table(rows: list[dict], modes) -> None:

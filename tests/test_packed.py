@@ -157,6 +157,9 @@ def test_serve_sim_compares_the_schedulers_on_the_same_requests(capsys):
     tables = out.split("profile: ")[1:]
     assert all(len([r for r in t.splitlines() if r.startswith("| `")]) == 4 and "linear" in t for t in tables)
     assert json.loads(out.strip().splitlines()[-1])["rows"][0]["identical"]
+    assert serve_sim.function_name("/a/models/transformer.py", 94, "apply_rope") == "models/transformer.py:94(apply_rope)"
+    assert serve_sim.function_name("<frozen importlib._bootstrap>", 1, "_load") == "<frozen importlib._bootstrap>:1(_load)"
+    assert serve_sim.function_name("~", 0, "<built-in method torch.cat>") == "<built-in method torch.cat>"
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "pangu"])
