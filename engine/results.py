@@ -68,15 +68,11 @@ def _plain(v):
     return [_plain(e) for e in v] if isinstance(v, (list, tuple)) else v
 
 
-@dataclass
-class StreamUpdate:
-    """What `Decoder.stream` yields after every model call (and once at the end): per sequence, the
-    tokens that became final and their per-token record (`commits`: each field of
-    `engine.state.Commits` the decoder keeps, as `SequenceResult.per_token` gives it)."""
+class _Pieces:
+    """`probs` and `tops`: two fields of the pieces' per-token records (`commits`), per sequence
+    (`tops` None without --top-logprobs; both None where `commits` is)."""
 
-    pieces: list[list[int]]                          # per sequence: token ids that became final
-    results: list[SequenceResult] | None = None      # the last update only: what generate returns
-    commits: list[dict[str, list]] | None = None     # per sequence: those tokens' record, by field
+    commits: list[dict[str, list]] | None
 
     @property
     def probs(self) -> list[list[float]] | None:     # per sequence: those tokens' commit_prob
@@ -88,7 +84,18 @@ class StreamUpdate:
 
 
 @dataclass
-class Final:
+class StreamUpdate(_Pieces):
+    """What `Decoder.stream` yields after every model call (and once at the end): per sequence, the
+    tokens that became final and their per-token record (`commits`: each field of
+    `engine.state.Commits` the decoder keeps, as `SequenceResult.per_token` gives it)."""
+
+    pieces: list[list[int]]                          # per sequence: token ids that became final
+    results: list[SequenceResult] | None = None      # the last update only: what generate returns
+    commits: list[dict[str, list]] | None = None     # per sequence: those tokens' record, by field
+
+
+@dataclass
+class Final(_Pieces):
     """Per batch row (in the batch's order): the tokens that became final and were not handed out
     before, their per-token record (`commits`, by field: `probs` and `tops` are two of them, `tops`
     None without --top-logprobs), and whether the row's sequence is over (`final_pieces`)."""
@@ -96,14 +103,6 @@ class Final:
     pieces: list[list[int]]
     commits: list[dict[str, list]]
     ended: list[bool]
-
-    @property
-    def probs(self) -> list[list[float]]:
-        return [c["prob"] for c in self.commits]
-
-    @property
-    def tops(self) -> list[list | None]:
-        return [c.get("top") for c in self.commits]
 
 
 class StepOutput:
