@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .config import DecodeConfig
+from .config import DecodeConfig, text_ids
 from .errors import InputError, read_user_text
 from .graph import DraftGraph
 from .loop import Decoder
@@ -101,7 +101,13 @@ def _read_prompts(path: str, tok) -> list[list[int]]:
         lines = [l.replace("\\n", "\n") for l in text.splitlines() if l.strip()]
     if not lines:
         raise InputError(f"prompts file {path} holds no prompt")
-    return [tok.encode(l) for l in lines]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(text_ids(tok, line))
+        except InputError as e:
+            raise InputError(f"{path}: prompt {i}: {e}") from None
+    return out
 
 
 def _policy_options() -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from models import CheckpointError, ModelConfig, Tokenizer
 
-from .config import DecodeConfig
+from .config import DecodeConfig, text_ids
 from .errors import MAX_FILE_BYTES, InputError, read_user_text
 from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag,
                        add_threads_flag, checked_gemm, decoding_options, guarded, plugins_loaded, resolve_device,
@@ -119,7 +119,8 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
         text = tok.apply_chat_template(text)
     from .loop import check_prompts
 
-    check_prompts(mc, dc, [tok.encode(text)])
+    ids = text_ids(tok, text)
+    check_prompts(mc, dc, [ids])
     device = resolve_device(args.device) if tp is None else tp.device
     checked_gemm(args.gemm, device, args.dtype, tp is not None)
     set_threads(args.threads)
@@ -129,9 +130,9 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     model = load_model(model_dir, dtype=args.dtype, device=device, tp=tp).set_gemm(args.gemm)
     decoder = distributed.decoder(model, dc)            # under torchrun: rank 0 decodes, the others follow
     if on_text is None:
-        res = decoder.generate([tok.encode(text)])[0]
+        res = decoder.generate([ids])[0]
     else:
-        res = _stream_text(decoder, tok, tok.encode(text), on_text)
+        res = _stream_text(decoder, tok, ids, on_text)
     res.text = tok.decode(res.token_ids)
     out = res.as_dict()
     out.update(method=dc.method, policy=dc.describe(), cache=dc.cache, model=str(model_dir), dtype=args.dtype, device=device)

@@ -202,6 +202,15 @@ class _Given(dict):
         return _Given, (dict(self),)
 
 
+def text_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of a prompt's text; a text the tokenizer makes no token of (characters its
+    vocabulary lacks, with no unknown token to stand for them) is one error line, not an empty prompt."""
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise InputError(f"the prompt ({len(text)} characters) encodes to no token with this model's tokenizer")
+    return ids
+
+
 def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | None = None) -> list[list[int]]:
     """Validate a batch of prompts (token-id lists) against a model config, each to be followed by
     `gen_length` generated positions (default the config's); returns int lists."""

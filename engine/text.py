@@ -24,7 +24,7 @@ from typing import Sequence
 
 from models import CheckpointError, Tokenizer, Transformer
 
-from .config import DecodeConfig
+from .config import DecodeConfig, text_ids
 from .errors import InputError
 from .results import SequenceResult
 
@@ -88,7 +88,10 @@ class TextModel:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 raise InputError(f"prompt {i} is not valid UTF-8 (it holds a lone surrogate)") from None
-            out.append(self.tokenizer.encode(self.tokenizer.apply_chat_template(text) if chat else text))
+            try:
+                out.append(text_ids(self.tokenizer, self.tokenizer.apply_chat_template(text) if chat else text))
+            except InputError as e:
+                raise InputError(f"prompt {i}: {e}") from None
         return out
 
     def results(self, prompts: str | Sequence[str], *, chat: bool = False, method: str = "greedy",

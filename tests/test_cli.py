@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from models import ModelConfig
 from models.random_checkpoint import make_checkpoint
 from engine.cli import main
 
@@ -109,6 +110,16 @@ def _bad_shape(d):
     save_file(sd, str(d / "model.safetensors"))
 
 
+def _tokenless(d):
+    """A byte-level BPE tokenizer with no unknown token that knows only `a`, `b`, `ab` (bench.peer's):
+    most text is no token at all."""
+    from bench.peer import write_peer_tokenizer
+
+    mc = ModelConfig.from_dir(d)
+    bos = min({2, 3, 4} - {mc.eos_token_id, mc.mask_token_id})
+    write_peer_tokenizer(d, mc.vocab_size, mc.eos_token_id, mc.mask_token_id, bos)
+
+
 BAD = [
     ("missing model dir", lambda c, t: ["t5", "--model", t / "nope"], "does not exist"),
     ("model path is a file", lambda c, t: ["t5", "--model", c / "config.json"], "not a directory"),
@@ -117,6 +128,8 @@ BAD = [
     ("missing tensor", lambda c, t: ["t5", "--model", _broken(c, t, _drop_tensor)], "missing tensor model.transformer.blocks.0.up_proj.weight"),
     ("shape mismatch", lambda c, t: ["t5", "--model", _broken(c, t, _bad_shape)], "tensor model.transformer.ln_f.weight has shape [3], the config implies [64]"),
     ("empty prompt", lambda c, t: ["", "--model", c], "prompt is empty"),
+    ("prompt of no token", lambda c, t: ["hello", "--model", _broken(c, t, _tokenless)],
+     "the prompt (5 characters) encodes to no token with this model's tokenizer"),
     ("too long", lambda c, t: ["t5 t6 t7", "--model", _broken(c, t, _edit_config(max_sequence_length=40)), "--gen-length", "64"], "exceeds the model's maximum length 40"),
     ("gen not multiple", lambda c, t: ["t5", "--model", c, "--gen-length", "20", "--block-length", "8"], "not a multiple of the block length"),
     ("threshold zero", lambda c, t: ["t5", "--model", c, "--method", "confidence", "--threshold", "0"], "outside (0, 1]"),
@@ -193,3 +206,21 @@ def test_start_up_loads_no_compiler_and_no_tooling():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert res.stdout.strip().splitlines()[-1] == "imported 0 []", res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def test_calibration_prompts_the_tokenizer_makes_no_token_of_are_named(tmp_path):
+    """engine.calibrate's prompts file: a line the tokenizer makes no token of is an error naming the
+    file and the prompt, not an empty prompt further on."""
+    from engine.calibrate import _read_prompts
+    from engine.errors import InputError
+
+    class Tok:
+        def encode(self, text):
+            return [3] if text == "ab" else []
+
+    f = tmp_path / "p.txt"
+    f.write_text("ab\nab\n")
+    assert _read_prompts(str(f), Tok()) == [[3], [3]]
+    f.write_text("ab\nzzz\n")
+    with pytest.raises(InputError, match=r"p\.txt: prompt 1: the prompt \(3 characters\) encodes to no token"):
+        _read_prompts(str(f), Tok())

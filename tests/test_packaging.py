@@ -221,6 +221,9 @@ def test_text_helper_from_another_directory(tmp_path, monkeypatch):
     assert lm.generate([], **opts) == []
     with pytest.raises(InputError, match="prompt 1 is empty"):
         lm.generate([PROMPT, "  "], **opts)
+    tokenless = engine.TextModel(lm.model, type("Tokenless", (), {"encode": lambda self, t: []})())
+    with pytest.raises(InputError, match=r"prompt 0: the prompt \(3 characters\) encodes to no token"):
+        tokenless.generate(["zzz"], **opts)
     with pytest.raises(InputError, match="prompt 0 is a bytes"):
         lm.generate([b"x"], **opts)
     with pytest.raises(InputError, match="unknown decoding option|bogus"):

@@ -88,6 +88,20 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_encoded(parts):
     assert e.message == "prompt 1: the prompt is empty"
 
 
+
+class _Tokenless:
+    """A tokenizer that makes no token of any text (no unknown token, none of its characters)."""
+
+    def encode(self, text):
+        return []
+
+
+def test_a_text_the_tokenizer_makes_no_token_of_is_refused_as_such(parts):
+    e = refused({"model": "default", "prompt": [[5, 6], "zzz"]}, limits((parts[0], _Tokenless())))
+    assert e.message == "prompt 1: the prompt (3 characters) encodes to no token with this model's tokenizer"
+    assert e.code == "invalid_value"
+
+
 def test_max_tokens_and_block_rounding_against_the_model_length(parts):
     mc = parts[0]
     e = refused({"model": "default", "prompt": [1] * (mc.max_length - 40), "max_tokens": 33}, limits(parts))

@@ -17,7 +17,7 @@ from typing import Callable
 
 from models import CheckpointError, ModelConfig, Tokenizer
 
-from ..config import DecodeConfig, check_prompts
+from ..config import DecodeConfig, check_prompts, text_ids
 from ..uniform import for_model
 from ..errors import InputError
 from ..options import MAX_TOP_LOGPROBS, OPTIONS
@@ -268,7 +268,7 @@ def encode(text: str, lim: Limits) -> list[int]:
                 raise InputError(f"the prompt of {len(text)} characters is longer than the model's maximum "
                                  f"length of {limit} tokens (its first {hi} characters are {count} tokens)")
             lo = hi
-    ids = lim.tok.encode(text)
+    ids = text_ids(lim.tok, text)
     room(len(ids), lim.mc)
     return ids
 
