@@ -340,6 +340,29 @@ def test_queue_full_and_a_disconnected_stream(limited):
     assert limited.health()["status"] == "ok"
 
 
+def test_a_non_streamed_client_that_goes_away_is_cancelled_at_once(limited):
+    """A non-streamed request whose client closes the connection mid-decode: its row is cancelled
+    at once, although the worker sends its handler an event every model call (`left`: one token a
+    call). The handler used to look for the disconnect only after 0.5 s without an event, so the
+    row decoded all its calls for nobody."""
+    import socket
+
+    _wait_health(limited, lambda h: h["running"] == 0 and h["queue"] == 0)
+    before = limited.health()["stats"]
+    body = json.dumps({"model": NAME, "prompt": PROMPTS[0], "max_tokens": 192, "ignore_eos": True,
+                       "method": "left"}).encode()
+    s = socket.create_connection(("127.0.0.1", limited.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    _wait_health(limited, lambda h: h["stats"]["calls"] >= before["calls"] + 8)
+    s.close()
+    gone = limited.health()["stats"]["calls"]
+    after = _wait_health(limited, lambda h: h["running"] == 0, 60)["stats"]
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["calls"] - gone <= 8, (gone, after)        # 192 calls alone; at once: the calls in flight
+    assert after["calls"] - before["calls"] < 100
+
+
 def test_chat_without_a_template(limited):
     r = httpx.post(limited.url + "/v1/chat/completions", timeout=30,
                    json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]})

@@ -131,6 +131,54 @@ def test_rows_go_round_robin_over_requests():
     assert sch._fair(held) is late
 
 
+def test_a_request_is_queued_whole_or_refused_and_a_gone_one_counted_once():
+    """A request's choices are queued all or none: one that does not fit whole is refused (429) with
+    nothing of it queued or counted. `cancelled` counts requests whose client went away, once
+    whatever their n; a choice cancelled because another failed is not counted."""
+    from engine.serve.worker import Owner, QueueFull, StaticScheduler
+
+    sch = StaticScheduler(max_queue=3, max_batch=1)
+    a, b, c = Owner(), Owner(), Owner()
+    mine = [_job(a), _job(a)]
+    sch.submit(*mine)
+    with pytest.raises(QueueFull):
+        sch.submit(_job(b), _job(b))
+    assert sch.waiting == mine and sch.stats["cancelled"] == 0
+    for j in mine:
+        sch.cancel(j)
+    assert sch.waiting == [] and sch.stats["cancelled"] == 1
+    failed = _job(c)
+    sch.submit(failed)
+    sch.cancel(failed, gone=False)
+    assert sch.waiting == [] and sch.stats["cancelled"] == 1
+
+
+def test_a_bug_in_a_handler_is_a_500_with_the_request_id_and_a_405_names_allow(capsys):
+    """In process, no model loaded: a handler that raises answers a JSON 500 that carries the
+    request's X-Request-Id (the 500 used to be made outside the middleware that adds it) and is
+    logged once; a wrong method's 405 says which are allowed."""
+    from starlette.testclient import TestClient
+
+    from engine.serve.cli import build_parser
+    from engine.serve.routes import build_app
+    from engine.serve.server import Server
+
+    srv = Server(build_parser().parse_args(["--device", "cpu"]))
+    srv.status = "ok"
+
+    def boom(body, chat):
+        raise RuntimeError("a bug")
+
+    srv.parse = boom
+    client = TestClient(build_app(srv), raise_server_exceptions=False)
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": "hi"}, headers={"X-Request-Id": "bug-1"})
+    assert r.status_code == 500 and r.headers["x-request-id"] == "bug-1"
+    assert r.json()["error"]["code"] == "internal_error" and "RuntimeError: a bug" in r.json()["error"]["message"]
+    assert capsys.readouterr().err.count("RuntimeError: a bug") == 1
+    r = client.delete("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.headers["x-request-id"]
+
+
 # ------------------------------------------------------------------------------ 5. bad flags fail at start
 def test_a_flag_engine_generate_refuses_fails_before_ready(tmp_path, capsys):
     """`--cuda-graphs` off CUDA and a bad `--cost-profile` used to start a server that answered 400
@@ -205,3 +253,110 @@ def test_a_client_that_stalls_in_its_body_gets_408(server):
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         seconds, got = _closed_after(s, 15)
     assert got.startswith(b"HTTP/1.1 200 ") and seconds < 5
+
+
+@pytest.mark.slow
+def test_shutdown_answers_every_request_503(tmp_path):
+    """SIGTERM with one stream decoding and two requests waiting (--max-batch 1): the waiting plain
+    request gets the JSON 503 `shutting_down`, the waiting and the running streams end with that
+    error event and [DONE], and the server exits. (Before, the scheduler closed only after uvicorn
+    had cancelled the handlers: a plain-text 500 and streams cut off without an end.)"""
+    import signal
+
+    s = ServerProcess(tmp_path, "--max-batch", "1")
+    try:
+        s.wait_ready()
+        long = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 192, "ignore_eos": True, "method": "left"}
+        got: dict = {}
+
+        def stream(name):
+            with httpx.stream("POST", s.url + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+                got[name] = (r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")])
+
+        def plain():
+            got["plain"] = _post(s, long, timeout=60)
+
+        running = threading.Thread(target=stream, args=("running",))
+        running.start()
+        s.wait_running()
+        waiting = [threading.Thread(target=stream, args=("waiting",)), threading.Thread(target=plain)]
+        for t in waiting:
+            t.start()
+        deadline = time.monotonic() + 60
+        while s.health()["queue"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in [running, *waiting]:
+            t.join(60)
+        s.proc.wait(30)
+    finally:
+        s.stop()
+    assert got["plain"].status_code == 503 and got["plain"].json()["error"]["code"] == "shutting_down"
+    for name in ("running", "waiting"):
+        status, lines = got[name]
+        assert status == 200 and lines[-1] == "data: [DONE]", (name, lines[-3:])
+        assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down", (name, lines[-3:])
+
+
+def _drain(loop, job) -> list:
+    """The events pushed to `job` so far (the worker pushes them onto its event loop)."""
+    import asyncio
+
+    loop.run_until_complete(asyncio.sleep(0))
+    out = []
+    while not job.events.empty():
+        out.append(job.events.get_nowait())
+    return out
+
+
+def test_a_stopping_worker_tells_every_running_job_and_a_job_it_cannot_start_fails_alone(tmp_path, monkeypatch):
+    """In process, a tiny random model: a job whose running batch cannot be formed is answered 500
+    and the worker goes on; when the worker itself stops (an exception it does not survive) inside
+    one running batch's call, the jobs of the other running batch are told too, not left waiting."""
+    import asyncio
+
+    from engine.live import LiveBatch
+    from engine.serve.continuous import ContinuousScheduler
+    from engine.serve.worker import Job, Owner
+    from models import load_model
+    from models.random_checkpoint import make_checkpoint
+
+    model = load_model(make_checkpoint(tmp_path / "m", "llada", seed=0)[0])
+    loop = asyncio.new_event_loop()
+    sch = ContinuousScheduler(max_queue=8, max_batch=4)
+
+    def job(seed, gen=8):
+        return Job(Spec([5, 6, 7], DecodeConfig(gen_length=gen, block_length=8, temperature=0.5, seed=seed,
+                                                ignore_eos=True), gen, [], False, False, False), loop, Owner())
+
+    real_live_for = ContinuousScheduler._live_for
+
+    def live_for(self, model, j, lives, turn):
+        if j.spec.config.seed == 9:
+            raise RuntimeError("cannot form this batch")
+        return real_live_for(self, model, j, lives, turn)
+
+    monkeypatch.setattr(ContinuousScheduler, "_live_for", live_for)
+    real_step, steps = LiveBatch.step, []
+
+    def step(self):
+        steps.append(self)
+        if len(set(map(id, steps))) == 2 and len(steps) > 3:     # the second batch, some calls in
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(LiveBatch, "step", step)
+    a, b, bad = job(1, gen=64), job(2, gen=64), job(9)
+    sch.submit(bad)
+    sch.submit(a)
+    sch.submit(b)
+    with pytest.raises(KeyboardInterrupt):
+        sch.run(model)
+    (kind, err), = [e for e in _drain(loop, bad) if e[0] != "tokens"]
+    assert kind == "error" and err.status == 500 and "cannot form this batch" in err.message
+    for j in (a, b):
+        ends = [e for e in _drain(loop, j) if e[0] != "tokens"]
+        assert [(k, e.status, e.code) for k, e in ends] == [("error", 500, "decoding_failed")], ends
+        assert "decoding stopped: KeyboardInterrupt" in ends[0][1].message
+    loop.close()

@@ -154,6 +154,30 @@ class _StartupErrors(logging.Filter):
         return False
 
 
+def http_server(config, on_exit):
+    """uvicorn's server, calling `on_exit` (the scheduler's close) on the event loop at the first
+    SIGINT or SIGTERM: waiting requests are answered 503 `shutting_down` and running ones at their
+    next model call, while the loop still delivers answers (uvicorn then waits up to its graceful
+    timeout for them). After uvicorn returns, its handlers are cancelled and nothing reaches a client."""
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        loop = None
+
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit and self.loop is not None:
+                self.loop.call_soon_threadsafe(on_exit)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
 def check_flags(args) -> None:
     """The server's own flags, before anything is imported or bound."""
     if args.max_batch < 1 or args.max_queue < 1:
@@ -197,9 +221,9 @@ def _main(args) -> int:
         sock.close()
         raise
     # the access log is the app's own (routes.RequestId: each line with its X-Request-Id)
-    http = uvicorn.Server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
-                                         access_log=False, timeout_graceful_shutdown=3,
-                                         http=head_timeout_protocol(args.read_timeout)))
+    http = http_server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
+                                      access_log=False, timeout_graceful_shutdown=3,
+                                      http=head_timeout_protocol(args.read_timeout)), server.scheduler.close)
     startup = _StartupErrors(http)
     logging.getLogger("uvicorn.error").addFilter(startup)
     worker = threading.Thread(target=server.load_and_serve, args=(http,), name=DECODER_THREAD, daemon=True)

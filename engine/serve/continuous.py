@@ -9,9 +9,7 @@ import collections
 import time
 
 from ..config import DecodeConfig
-from ..errors import InputError
 from .jobs import Job, Scheduler, config_key, shutting_down, stopped
-from .protocol import ApiError
 
 
 def live_key(dc: DecodeConfig, by_length: bool = False) -> tuple:
@@ -42,6 +40,15 @@ class ContinuousScheduler(Scheduler):
         """Admit waiting jobs into the running batch of their options (up to max_batch rows each),
         then advance one batch by one model call, batches taking turns; until closed."""
         lives: dict[tuple, _Live] = {}
+        try:
+            self._serve(model, lives)
+        except BaseException as e:        # the worker stops (the server reports it): no running job waits on it
+            for live in lives.values():
+                for j in live.jobs.values():
+                    j.push("error", stopped(e))
+            raise
+
+    def _serve(self, model, lives: dict) -> None:
         turn: collections.deque = collections.deque()
         while True:
             with self.cond:
@@ -93,8 +100,8 @@ class ContinuousScheduler(Scheduler):
                 live = self._live_for(model, job, lives, turn)
                 handle = live.batch.add(job.spec.prompt_ids, gen_length=job.spec.config.gen_length,
                                         seed=job.spec.config.seed)
-            except InputError as e:
-                job.push("error", ApiError(400, str(e)))
+            except Exception as e:        # noqa: BLE001 -- its job's error (a 400 the decoder refuses); the rest go on
+                self._failed([job], e)
                 continue
             live.jobs[handle] = job
             rows += 1
@@ -125,10 +132,6 @@ class ContinuousScheduler(Scheduler):
         except Exception as e:            # noqa: BLE001 -- the worker survives whatever one batch does
             self._failed(live.jobs.values(), e, count_refusals=True)
             return False
-        except BaseException as e:        # the worker stops (the server reports it): its clients are told
-            for j in live.jobs.values():
-                j.push("error", stopped(e))
-            raise
         if update is None:
             return False
         if update.rows:

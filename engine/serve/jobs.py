@@ -33,6 +33,7 @@ class Owner:
 
     def __init__(self):
         self.last, self.seq = None, None
+        self.gone = False                     # its client went away (counted once in `cancelled`)
 
 
 class Job:
@@ -103,24 +104,30 @@ class Scheduler:
         """The worker thread: decode waiting jobs on `model` until `close`."""
         raise NotImplementedError
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue a request's jobs: all of them, or none (QueueFull where they do not all fit in
+        `max_queue`, the 503 `shutting_down` once closing)."""
         with self.cond:
             if self.closing:
                 raise shutting_down()
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull()
-            if job.owner.seq is None:         # a new request waits from now: before those served since
-                job.owner.seq, job.owner.last = next(self.arrivals), self.tick - 0.5
-            self.waiting.append(job)
+            if len(self.waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(len(self.waiting))
+            for job in jobs:
+                if job.owner.seq is None:     # a new request waits from now: before those served since
+                    job.owner.seq, job.owner.last = next(self.arrivals), self.tick - 0.5
+                self.waiting.append(job)
             self.cond.notify()
 
-    def cancel(self, job: Job) -> None:
-        """The client of `job` went away: drop it if it still waits, else discard its output."""
+    def cancel(self, job: Job, gone: bool = True) -> None:
+        """Drop `job` if it still waits, else discard its output: its client went away (`gone`:
+        counted in `cancelled` once per request), or another choice of its request failed."""
         with self.cond:
             if job.cancelled:
                 return
             job.cancelled = True
-            self.stats["cancelled"] += 1
+            if gone and not job.owner.gone:
+                job.owner.gone = True
+                self.stats["cancelled"] += 1
             if job in self.waiting:
                 self.waiting.remove(job)
 

@@ -51,11 +51,11 @@ class Run:
         out, self.offsets[i] = logprob_entries(self.server.tok, spec, ids, probs, tops, self.offsets[i])
         return out
 
-    def cancel(self) -> None:
-        """The client went away or one choice failed: the unfinished jobs are cancelled."""
+    def cancel(self, gone: bool = True) -> None:
+        """The client went away (`gone`) or one choice failed: the unfinished jobs are cancelled."""
         for job, res in zip(self.jobs, self.results):
             if res is None:
-                self.server.scheduler.cancel(job)
+                self.server.scheduler.cancel(job, gone)
 
     def close(self, status: int) -> None:
         for t in self.tasks:
@@ -104,35 +104,45 @@ async def sse(run: Run):
         yield event("[DONE]")
     finally:                                            # the client disconnected: its rows' output is dropped
         if status != 200:
-            run.cancel()
+            run.cancel(gone=status == 499)
         run.close(status)
 
 
 async def collect(run: Run, request) -> dict | ApiError:
     """The whole answer as one JSON object, or the ApiError that ended it; a client that goes
-    away cancels its jobs."""
+    away cancels its jobs the moment its connection closes (a task waits for that, beside the
+    answer's events)."""
     left = len(run.jobs)
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         while left:
-            try:
-                i, kind, payload = await asyncio.wait_for(run.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    run.cancel()
-                    run.close(499)
-                    return ApiError(499, "the client disconnected", "client_disconnected")
-                continue
+            event = asyncio.ensure_future(run.queue.get())
+            await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                run.cancel()
+                run.close(499)
+                return ApiError(499, "the client disconnected", "client_disconnected")
+            i, kind, payload = event.result()
             run.event(i, kind, payload)
             if kind == "done":
                 left -= 1
             elif kind != "tokens":
-                run.cancel()
+                run.cancel(gone=False)
                 run.close(payload.status)
                 return payload
     except asyncio.CancelledError:
         run.cancel()
         run.close(499)
         raise
+    finally:
+        gone.cancel()
     body = completion(run.server.name, run.rid, run.server.tok, run.jobs, run.answers, run.results)
     run.close(200)
     return body
+
+
+async def disconnected(request) -> None:
+    """Returns when the client of `request` (its body already read) closes the connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

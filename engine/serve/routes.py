@@ -41,12 +41,7 @@ def build_app(server):
     async def http_error(request, exc):          # unknown paths, wrong methods
         status = exc.status_code
         return error(ApiError(status, f"{request.method} {request.url.path}: {exc.detail}",
-                              "not_found" if status == 404 else None))
-
-    @app.exception_handler(Exception)
-    async def any_error(request, exc):           # a bug: answered, logged, the server goes on
-        traceback.print_exception(exc)
-        return error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error"))
+                              "not_found" if status == 404 else None, headers=exc.headers))   # a 405's Allow
 
     @app.get("/health")
     async def health():
@@ -102,7 +97,8 @@ class BearerAuth:
 
 class RequestId:
     """X-Request-Id on every answer: the client's own (printable ASCII without spaces, at most 128
-    characters) or a new one; with --access-log, one line per request naming it."""
+    characters) or a new one; with --access-log, one line per request naming it. An exception out
+    of the app (a bug) is answered here, a JSON 500 with the id, and logged once: the server goes on."""
 
     def __init__(self, app, log: bool):
         self.app, self.log = app, log
@@ -124,6 +120,12 @@ class RequestId:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:                  # noqa: BLE001 -- a bug: answered, logged, the server goes on
+            traceback.print_exception(exc)
+            if status is not None:                # the answer had started (a stream): nothing more to say
+                return
+            await error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error"))(
+                scope, receive, send_with_id)
         finally:
             if self.log:       # the path as sent (h11 admits printable ASCII only there), never decoded
                 host, port = scope.get("client") or ("-", 0)
@@ -220,16 +222,12 @@ async def submit(server, request, chat: bool) -> list[Job]:
     loop = asyncio.get_running_loop()
     owner = Owner()                             # the scheduler shares rows fairly between requests
     jobs = [Job(spec, loop, owner) for spec in server.parse(body, chat)]
-    for n, job in enumerate(jobs):
-        try:
-            server.scheduler.submit(job)
-        except BaseException as e:
-            for queued in jobs[:n]:             # all of a request's choices or none
-                server.scheduler.cancel(queued)
-            if isinstance(e, QueueFull):
-                raise ApiError(429, f"the server's queue is full ({server.scheduler.max_queue} requests waiting); "
-                                    f"retry later", "queue_full", headers={"Retry-After": RETRY_AFTER}) from None
-            raise
+    try:
+        server.scheduler.submit(*jobs)          # all of a request's choices or none
+    except QueueFull as e:
+        raise ApiError(429, f"the server's queue is full ({e.args[0]} of {server.scheduler.max_queue} choices "
+                            f"waiting, this request has {len(jobs)}); retry later", "queue_full",
+                       headers={"Retry-After": RETRY_AFTER}) from None
     return jobs
 
 
