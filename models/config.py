@@ -351,7 +351,10 @@ def _llada_from(r: "_Fields", family: str) -> dict:
     d, h = r.pos_int("d_model"), r.pos_int("n_heads")
     kv = r.pos_int("n_kv_heads", None) or h
     _check_heads(r, ("d_model", d), ("n_heads", h), ("n_kv_heads", kv), head_dim=None)
-    _check_off(r, ("alibi", False), ("rope", True))
+    _check_off(r, ("alibi", False), ("rope", True), ("input_emb_norm", False), ("scale_logits", False),
+               ("attention_layer_norm", False), ("multi_query_attention", False))
+    _check_kind(r, ("activation_type", "silu"), ("layer_norm_type", "rms"), ("block_type", "llama"),
+                ("clip_qkv", None))
     bias = r.flag("include_bias", False)
     hidden = r.pos_int("mlp_hidden_size", None)
     if hidden is None:
@@ -386,6 +389,7 @@ def _qwen_like_from(r: "_Fields", family: str) -> dict:
     head_dim = r.pos_int("head_dim", None)
     _check_heads(r, ("hidden_size", d), ("num_attention_heads", h), ("num_key_value_heads", kv), head_dim)
     _check_off(r, ("use_sliding_window", False))
+    _check_kind(r, ("hidden_act", "silu"))
     pangu = family == "pangu"
     bias = r.flag("attention_bias", None)
     if bias is None:
@@ -873,6 +877,16 @@ def _check_off(r: _Fields, *switches: tuple) -> None:
         v = r.flag(key, default)
         if v != default:
             raise CheckpointError(f"{r.source}: {key}={str(v).lower()} is not supported by this engine")
+
+
+def _check_kind(r: _Fields, *kinds: tuple) -> None:
+    """Switches given by value (an activation, a norm's or a block's kind, a clipping bound) must be
+    absent, null or the one value this transformer implements: another would decode silently wrong."""
+    for key, implemented in kinds:
+        v = r.raw.get(key)
+        if v is not None and v != implemented:
+            what = f"only {implemented!r}" if implemented is not None else "none"
+            raise CheckpointError(f"{r.source}: {key} {v!r} is not supported by this engine ({what})")
 
 
 def _check_rope_scaling(r: _Fields) -> None:

@@ -68,8 +68,21 @@ def main(argv=None) -> int:
     p.add_argument("--family", default="llada", choices=FAMILIES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eos-bias", type=float, default=8.0, help="make EOS likely so generations stop early")
+    p.add_argument("--overwrite", action="store_true", help="write into a directory that is not empty")
     args = p.parse_args(argv)
-    path, model = make_checkpoint(Path(args.out), args.family, seed=args.seed, eos_bias=args.eos_bias)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"error: {out} exists and is not a directory", file=sys.stderr)
+        return 2
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        print(f"error: {out} is not empty (a checkpoint there would be replaced): choose a new directory, or "
+              f"--overwrite", file=sys.stderr)
+        return 2
+    try:
+        path, model = make_checkpoint(out, args.family, seed=args.seed, eos_bias=args.eos_bias)
+    except OSError as e:
+        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     n = sum(t.numel() for t in model.parameters())
     print(f"wrote a random {args.family} checkpoint ({n} parameters) to {path}")
     return 0

@@ -224,3 +224,22 @@ def test_calibration_prompts_the_tokenizer_makes_no_token_of_are_named(tmp_path)
     f.write_text("ab\nzzz\n")
     with pytest.raises(InputError, match=r"p\.txt: prompt 1: the prompt \(3 characters\) encodes to no token"):
         _read_prompts(str(f), Tok())
+
+
+def test_random_checkpoint_never_replaces_what_a_directory_holds(tmp_path, capsys):
+    """`python -m models.random_checkpoint DIR`: a directory that holds anything (a real checkpoint)
+    is refused unless --overwrite; a file in the way or an unwritable place is one error line."""
+    from models.random_checkpoint import main as random_checkpoint
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{\"model_type\": \"llada\"}")
+    assert random_checkpoint([str(mine)]) == 2
+    assert (mine / "config.json").read_text() == "{\"model_type\": \"llada\"}" and len(list(mine.iterdir())) == 1
+    assert "is not empty" in capsys.readouterr().err
+    assert random_checkpoint([str(mine), "--overwrite"]) == 0 and (mine / "model.safetensors").is_file()
+    (tmp_path / "afile").write_text("x")
+    assert random_checkpoint([str(tmp_path / "afile")]) == 2
+    assert random_checkpoint([str(tmp_path / "afile" / "sub")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err), err

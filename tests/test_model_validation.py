@@ -133,6 +133,16 @@ CONFIG_CASES = {
     "missing num_hidden_layers": ("pangu", _drop("num_hidden_layers"), ["num_hidden_layers"]),
     "missing mask_token_id": ("dream", _drop("mask_token_id"), ["mask_token_id"]),
     "not an object": ("llada", lambda o: [o], ["JSON object", "list"]),
+    # switches of the architecture this transformer does not implement: refused, never decoded wrong
+    "llada gelu": ("llada", _set(activation_type="gelu"), ["activation_type 'gelu'", "not supported", "only 'silu'"]),
+    "llada layer norm": ("llada", _set(layer_norm_type="default"), ["layer_norm_type 'default'", "only 'rms'"]),
+    "llada block": ("llada", _set(block_type="sequential"), ["block_type 'sequential'", "only 'llama'"]),
+    "llada scaled logits": ("llada", _set(scale_logits=True), ["scale_logits=true", "not supported"]),
+    "llada embedding norm": ("llada", _set(input_emb_norm=True), ["input_emb_norm=true", "not supported"]),
+    "llada qk norm": ("llada", _set(attention_layer_norm=True), ["attention_layer_norm=true", "not supported"]),
+    "llada clipped qkv": ("llada", _set(clip_qkv=8.0), ["clip_qkv 8.0", "not supported", "(none)"]),
+    "dream gelu": ("dream", _set(hidden_act="gelu"), ["hidden_act 'gelu'", "only 'silu'"]),
+    "pangu relu": ("pangu", _set(hidden_act="relu"), ["hidden_act 'relu'", "only 'silu'"]),
 }
 
 
@@ -167,6 +177,12 @@ def test_real_configs_with_null_optionals_still_load(tmp_path):
     assert c.num_kv_heads == c.num_heads == 28 and c.head_dim == 128 and c.tie_embeddings is False
     c = ModelConfig.from_hf(dict(REAL_CONFIGS["llada"], rope_scaling={"rope_type": "default"}, n_kv_heads=None))
     assert c.num_kv_heads == 32
+    # the architecture switches as LLaDA-8B's config.json and Dream's give them
+    c = ModelConfig.from_hf(dict(REAL_CONFIGS["llada"], activation_type="silu", block_type="llama",
+                                 layer_norm_type="rms", attention_layer_norm=False, input_emb_norm=False,
+                                 scale_logits=False, multi_query_attention=None, clip_qkv=None))
+    assert c.hidden_size == 4096
+    assert ModelConfig.from_hf(dict(REAL_CONFIGS["dream"], hidden_act="silu")).num_heads == 28
 
 
 # ---------------------------------------------------------------------- generation_config.json
