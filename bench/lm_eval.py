@@ -385,7 +385,8 @@ class PsdLM(LM):
 
     # ---------------------------------------------------------------- prompts
     def _context_ids(self, context: str) -> list[int]:
-        return self.tok.encode(self.tok.apply_chat_template(context) if self.chat else context)
+        return self.tok.encode(self.tok.apply_chat_template(context), special=False) if self.chat else \
+            self.tok.encode(context)
 
     def _fit(self, ids: list[int], room: int, req, what: str) -> list[int]:
         """`ids` if they fit in `room` tokens, else the truncate policy: an error or the last `room`."""
@@ -533,8 +534,8 @@ class PsdLM(LM):
             continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
         if self.chat:
             context = self.tok.apply_chat_template(context)
-        whole = self.tok.encode(context + continuation)
-        ctx = self.tok.encode(context)
+        whole = self.tok.encode(context + continuation, special=not self.chat)
+        ctx = self.tok.encode(context, special=not self.chat)
         return ctx, whole[len(ctx):]
 
     def _score(self, req, prefix: list[int], target: list[int], kind: str, greedy: bool):

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
         text = tok.apply_chat_template(text)
     from .loop import check_prompts
 
-    ids = text_ids(tok, text)
+    ids = text_ids(tok, text, chat=args.chat)
     check_prompts(mc, dc, [ids])
     device = resolve_device(args.device) if tp is None else tp.device
     checked_gemm(args.gemm, device, args.dtype, tp is not None)

@@ -202,10 +202,12 @@ class _Given(dict):
         return _Given, (dict(self),)
 
 
-def text_ids(tokenizer, text: str) -> list[int]:
-    """The token ids of a prompt's text; a text the tokenizer makes no token of (characters its
-    vocabulary lacks, with no unknown token to stand for them) is one error line, not an empty prompt."""
-    ids = tokenizer.encode(text)
+def text_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """The token ids of a prompt's text (`chat`: a rendered chat template, encoded without the
+    tokenizer's special tokens: the template writes its own); a text the tokenizer makes no token
+    of (characters its vocabulary lacks, with no unknown token to stand for them) is one error line,
+    not an empty prompt."""
+    ids = tokenizer.encode(text, special=False) if chat else tokenizer.encode(text)
     if not ids:
         raise InputError(f"the prompt ({len(text)} characters) encodes to no token with this model's tokenizer")
     return ids

@@ -89,7 +89,7 @@ class TextModel:
             except UnicodeEncodeError:
                 raise InputError(f"prompt {i} is not valid UTF-8 (it holds a lone surrogate)") from None
             try:
-                out.append(text_ids(self.tokenizer, self.tokenizer.apply_chat_template(text) if chat else text))
+                out.append(text_ids(self.tokenizer, self.tokenizer.apply_chat_template(text) if chat else text, chat))
             except InputError as e:
                 raise InputError(f"prompt {i}: {e}") from None
         return out

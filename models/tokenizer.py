@@ -85,9 +85,11 @@ class Tokenizer:
         except Exception as e:       # noqa: BLE001 -- any failure to compile is the checkpoint's
             raise CheckpointError(f"{self._template_source} does not compile: {_one_line(e)}") from None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` exactly as given, with the tokenizer's own post-processing (e.g. BOS)."""
-        return self._tok.encode(text).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text` exactly as given, with the tokenizer's own post-processing (e.g. BOS);
+        `special=False` without it: for a rendered chat template, which writes its own BOS (as
+        transformers' `apply_chat_template(tokenize=True)` encodes; else the prompt would hold two)."""
+        return self._tok.encode(text, add_special_tokens=special).ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of `text` and each token's (start, end) character span in `text`."""

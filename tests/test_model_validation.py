@@ -508,3 +508,43 @@ def test_cli_one_line_error_exit_2(pristine, tmp_path, case):
     d = _copy(pristine, tmp_path, which)
     edit(d)
     _assert_one_line_error(_cli(d, *extra), *words)
+
+
+def test_a_chat_template_that_writes_bos_gives_one_bos(tmp_path):
+    """A tokenizer that adds BOS (Gemma's, Llama 3's) and a template that writes `{{ bos_token }}`:
+    the rendered chat is encoded without the tokenizer's special tokens, as transformers'
+    `apply_chat_template(tokenize=True)` does, so the prompt starts with one BOS (it had two) — in
+    the text API, engine.generate --chat, the server's chat endpoint and the lm-eval adapter alike."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models as tm, pre_tokenizers, processors
+
+    from engine.config import text_ids
+    from engine.serve.request import Limits, parse_request
+    from models import Tokenizer
+    from models.random_checkpoint import make_checkpoint
+
+    d, _ = make_checkpoint(tmp_path / "m", "llada", seed=0)
+    specials = {2: "<bos>", 3: "<turn>", 62: "<|eos|>", 63: "<|mask|>"}
+    vocab = {f"t{i}": i for i in range(64) if i not in specials} | {v: k for k, v in specials.items()}
+    hf = HFTokenizer(tm.WordLevel(vocab, unk_token="t5"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.add_special_tokens(list(specials.values()))
+    hf.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    hf.save(str(d / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}<turn> {{ m['content'] }} {% endfor %}<turn>"
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<|eos|>",
+                                                         "chat_template": template}))
+    tok = Tokenizer(d)
+    assert tok.encode("t10 t11") == [2, 10, 11]                   # a plain prompt keeps the tokenizer's BOS
+    want = [2, 3, 10, 11, 3]
+    assert text_ids(tok, tok.apply_chat_template("t10 t11"), chat=True) == want
+    mc = ModelConfig.from_dir(d)
+    lim = Limits("m", mc, tok, {"method": "greedy", "gen_length": 8, "block_length": 8}, 4, 4)
+    (spec,) = parse_request({"model": "m", "messages": [{"role": "user", "content": "t10 t11"}], "max_tokens": 8},
+                            True, lim)
+    assert spec.prompt_ids == want
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<bos>")
+    ref.chat_template = template
+    assert ref.apply_chat_template([{"role": "user", "content": "t10 t11"}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False) == want

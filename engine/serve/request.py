@@ -81,7 +81,7 @@ def parse_request(body: dict, chat: bool, lim: Limits) -> list[Spec]:
         problem = size_problem(opts, limit)
         if problem:
             raise bad(problem[1], problem[0])
-        prompts = [(encode(chat_prompt(body.get("messages"), lim.tok), lim), None)] if chat else \
+        prompts = [(encode(chat_prompt(body.get("messages"), lim.tok), lim, chat=True), None)] if chat else \
             prompt_list(body.get("prompt"), f.n, lim)
         return _specs(f, opts, merged, prompts, tuple(ignored or ()), chat, lim)
     except InputError as e:
@@ -252,9 +252,10 @@ def render_chat(tok: Tokenizer, messages: list[dict]) -> str:
         raise InputError(str(e)) from None
 
 
-def encode(text: str, lim: Limits) -> list[int]:
-    """The prompt's token ids; a prompt that cannot fit in the model's length is refused before
-    it is encoded whole (a long one is measured piece by piece, each piece cut at a space)."""
+def encode(text: str, lim: Limits, chat: bool = False) -> list[int]:
+    """The prompt's token ids (`chat`: a rendered template, `config.text_ids`); a prompt that cannot
+    fit in the model's length is refused before it is encoded whole (a long one is measured piece
+    by piece, each piece cut at a space)."""
     limit = lim.mc.max_length
     if len(text) > MEASURE_CHARS:
         count, lo = 0, 0
@@ -268,7 +269,7 @@ def encode(text: str, lim: Limits) -> list[int]:
                 raise InputError(f"the prompt of {len(text)} characters is longer than the model's maximum "
                                  f"length of {limit} tokens (its first {hi} characters are {count} tokens)")
             lo = hi
-    ids = text_ids(lim.tok, text)
+    ids = text_ids(lim.tok, text, chat)
     room(len(ids), lim.mc)
     return ids
 
