@@ -25,6 +25,7 @@ from typing import Sequence
 from models import CheckpointError, Tokenizer, Transformer
 
 from .config import DecodeConfig, text_ids
+from .uniform import for_model
 from .errors import InputError
 from .results import SequenceResult
 
@@ -67,12 +68,14 @@ class TextModel:
     def __repr__(self) -> str:
         return f"TextModel({str(self.model_dir) if self.model_dir else self.config.family!r}, device={self.model.device})"
 
-    def decode_config(self, method: str = "greedy", **options) -> DecodeConfig:
+    def decode_config(self, method: str | None = None, **options) -> DecodeConfig:
         """The validated `DecodeConfig` of `method` and `options`, with the checkpoint's
-        generation_config.json sizes where `options` do not give them."""
+        generation_config.json sizes where `options` do not give them, as the model decodes it
+        (`uniform.for_model`: a uniform-noise model's eb; no method: greedy, or that eb)."""
         for name, value in self.config.generation_defaults.items():
             options.setdefault(name, value)
-        return DecodeConfig(method=method, **options).validate()
+        dc = DecodeConfig(**options) if method is None else DecodeConfig(method=method, **options)
+        return for_model(self.config, dc).validate()
 
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:
         texts = [prompts] if isinstance(prompts, str) else prompts
@@ -94,7 +97,7 @@ class TextModel:
                 raise InputError(f"prompt {i}: {e}") from None
         return out
 
-    def results(self, prompts: str | Sequence[str], *, chat: bool = False, method: str = "greedy",
+    def results(self, prompts: str | Sequence[str], *, chat: bool = False, method: str | None = None,
                 **options) -> list[SequenceResult]:
         """One `SequenceResult` per prompt (`text` set: the generated text without special tokens),
         all prompts decoded as one batch."""
@@ -110,7 +113,7 @@ class TextModel:
             r.text = self.tokenizer.decode(r.token_ids)
         return out
 
-    def generate(self, prompts: str | Sequence[str], *, chat: bool = False, method: str = "greedy",
+    def generate(self, prompts: str | Sequence[str], *, chat: bool = False, method: str | None = None,
                  **options) -> str | list[str]:
         """The generated text of each prompt: a string for a string, a list for a list."""
         texts = [r.text for r in self.results(prompts, chat=chat, method=method, **options)]
@@ -131,7 +134,7 @@ def load(model_dir: str | os.PathLike | None = None, *, dtype: str = "float32", 
 
 
 def generate_text(prompts: str | Sequence[str], model_dir: str | os.PathLike | None = None, *,
-                  dtype: str = "float32", device: str = "auto", chat: bool = False, method: str = "greedy",
+                  dtype: str = "float32", device: str = "auto", chat: bool = False, method: str | None = None,
                   **options) -> str | list[str]:
     """`load(model_dir, dtype=, device=).generate(prompts, chat=, method=, **options)`: for one
     call; keep the `TextModel` of `load` to decode more than once without reloading."""

@@ -56,6 +56,22 @@ def test_eval_decodes_a_diffusion_gemma_checkpoint_as_engine_generate_does(dg, t
     assert row["tpf"] == pytest.approx(row["tokens"] / row["calls"])
 
 
+def test_the_text_api_decodes_a_diffusion_gemma_checkpoint_as_engine_generate_does(dg, capsys):
+    """`engine.load(dir).generate(text)` with no method: a uniform-noise model decodes with its eb,
+    as `python -m engine.generate` picks (it used to default to greedy, which such a model refuses);
+    a masked model's method is refused with the one line the CLI gives."""
+    from engine.cli import main
+
+    lm = engine.load(dg, device="cpu")
+    (res,) = lm.results(["t5 t6"], gen_length=8)
+    assert main(["t5 t6", "--model", str(dg), "--gen-length", "8", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert res.token_ids == cli["token_ids"] and res.calls == cli["calls"] and res.text == lm.generate("t5 t6",
+                                                                                                   gen_length=8)
+    with pytest.raises(engine.InputError, match="decodes with eb"):
+        lm.generate("t5 t6", method="greedy", gen_length=8)
+
+
 @pytest.mark.parametrize("extra", [["--methods", "eb", "confidence"], ["--methods", "greedy"],
                                    ["--methods", "eb", "--cache", "dual"], ["--methods", "eb", "--block-length", "32"]],
                          ids=["confidence", "greedy", "cache", "block"])
