@@ -136,10 +136,14 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from models import Tokenizer, load_model
+    from models import ModelConfig, Tokenizer, load_model
 
     from .frontend import decoding_options
 
+    mc = ModelConfig.from_dir(args.model)
+    for name, value in mc.generation_defaults.items():   # the checkpoint's sizes where no flag gives them,
+        if getattr(args, name, False) is None:           # as engine.generate takes them
+            setattr(args, name, value)
     options = {"gen_length": 128, "block_length": 32, **decoding_options(args, _policy_options())}
     cfg = DecodeConfig(method=args.policy, **options).validate()
     if args.depth < 1:

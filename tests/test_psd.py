@@ -221,6 +221,12 @@ def test_calibrate_cli(tmp_path, capsys):
     assert calibrate_main(["--model", str(path), "--prompts", str(tmp_path / "none"), "--out", str(out)]) == 2
     assert "cannot read prompts file" in capsys.readouterr().err
 
+    # the checkpoint's generation_config.json sizes where no flag gives them, as engine.generate takes them
+    (path / "generation_config.json").write_text(json.dumps({"gen_length": 16, "block_length": 8}))
+    assert calibrate_main(["--model", str(path), "--depth", "3", "--nodes", "4", "--prompts", str(prompts),
+                           "--out", str(tmp_path / "g2.json")]) == 0
+    assert json.loads((tmp_path / "g2.json").read_text()) == body
+
 
 # ---------------------------------------------------------------------- baselines
 def test_lopa_k1_and_ete_k1_are_confidence(model):
