@@ -160,21 +160,21 @@ elif [[ $DRY -eq 0 ]]; then
     section bench_moe 20 bench_kernel moe bench.bench_moe --shape llada2-mini --tokens 1 64 2048 --dtype bfloat16
     for shape in llada-8b dream-7b; do
         section "cost_curve_${shape//-/_}" 45 "$PY" -m bench.speed --cost-curve --shape "$shape" --dtype bfloat16 \
-            --prefix 512 1024 4096 --rows 1 2 4 8 16 32 --block-length 32 --out "$OUT/cost_${shape//-/_}" --quiet
+            --prefix 512 1024 4096 --rows 1 2 4 8 16 32 --block-length 32 --out "$OUT/cost_${shape//-/_}" --overwrite --quiet
     done
     # where one verification call's time goes: host issue, kernels, launches, CUDA-graph replay (docs/gpu.md)
     section profile_call 35 "$PY" -m bench.profile_call --shape llada-8b --prefix 512 --rows 1 16 --reps 20
     section end_to_end 80 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
         psd:policy=confidence,d=3,draft_budget=auto --batch-sizes 1 8 --num-prompts 4 8 --cache none dual \
         --gen-length 64 --repeats 2 --dtype bfloat16 \
-        --out "$OUT/end_to_end" --quiet
+        --out "$OUT/end_to_end" --overwrite --quiet
     # one GPU (TP=1): the same static-rows PSD eager and replayed from CUDA graphs (engine/graphs.py, never
     # run on a GPU before this report); the confidence policy and its static-rows/graphs twin are the baselines.
     # GPU only: --cuda-graphs is an error on CPU (its padding path runs on CPU in tests/test_cuda_graphs.py)
     section cuda_graphs 60 "$PY" -m bench.speed --model models/default --methods confidence \
         psd:policy=confidence,d=3,static_rows=true psd:policy=confidence,d=3,static_rows=true,cuda_graphs=true \
         --batch-sizes 1 8 --num-prompts 4 8 --cache none dual --gen-length 64 --repeats 3 --dtype bfloat16 \
-        --out "$OUT/cuda_graphs" --quiet
+        --out "$OUT/cuda_graphs" --overwrite --quiet
 else
     # ------------------------------------------------------------ dry: same sections, tiny shapes, CPU
     # a sample of every kernel's tests, reference and interpreter (about 40 tests; the whole files take minutes)
@@ -197,12 +197,12 @@ else
     for shape in llada-8b dream-7b; do     # tiny shapes of the same families stand in
         tiny=$([[ $shape == llada-8b ]] && echo tiny || echo tiny-dream)
         section "cost_curve_${shape//-/_}" 60 "$PY" -m bench.speed --cost-curve --shape "$tiny" --dtype float32 \
-            --prefix 32 64 --rows 1 2 4 --block-length 8 --cost-reps 2 --out "$OUT/cost_${shape//-/_}" --quiet
+            --prefix 32 64 --rows 1 2 4 --block-length 8 --cost-reps 2 --out "$OUT/cost_${shape//-/_}" --overwrite --quiet
     done
     section profile_call 60 "$PY" -m bench.profile_call --shape tiny --prefix 32 --block-length 8 --rows 1 4 --reps 2
     section end_to_end 180 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
         --batch-sizes 1 4 --num-prompts 2 4 --cache none dual --gen-length 32 --repeats 1 --dtype bfloat16 \
-        --out "$OUT/end_to_end" --quiet
+        --out "$OUT/end_to_end" --overwrite --quiet
 fi
 
 # ---------------------------------------------------------------- summary (stdlib only)

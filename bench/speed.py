@@ -39,7 +39,8 @@ cost side (ms per call against rows per call) is reported.
 
 Output (`--out DIR`, default a fresh runs/speed-<time>/): CSV with the device, torch/triton
 versions and the command line on every row, a Markdown table (printed too), a JSON file, and
-one final JSON line on stdout. Bad input: one `error:` line, exit status 2.
+one final JSON line on stdout; a file of an earlier run in --out is replaced only with --overwrite.
+Bad input: one `error:` line, exit status 2.
 """
 from __future__ import annotations
 
@@ -398,7 +399,8 @@ def build_parser() -> Parser:
                    help="--cost-curve: cache mode (a uniform-noise model: its decoder over the encoder's cache)")
     p.add_argument("--cost-reps", type=int, help="--cost-curve: timed calls per point (default: 20 GPU, 5 CPU)")
     p.add_argument("--cost-profile-out", help="--cost-curve: the cost profile JSON (default: OUT/cost_profile.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --cost-profile-out file")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing output files: --cost-profile-out and what this run writes in --out")
     _add_simulate_flags(p)
     p.add_argument("--out", help="output directory (default: a fresh runs/speed-<time>/)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar at a terminal, else a line "
@@ -459,6 +461,24 @@ def _check_args(args) -> None:
             raise InputError(f"{flag} applies to --simulate only")
     if args.cost_profile_out is not None:
         check_output_file(Path(args.cost_profile_out), "--cost-profile-out", args.overwrite, args.cost_curve)
+    _check_out_files(args)
+
+
+OUT_FILES = {"simulate": ("projection.md", "projection.csv", "projection.json"),
+             "cost_curve": ("cost_profile.json", "cost_curve.csv", "cost_curve.md"),
+             "end_to_end": ("speed.csv", "speed.md", "speed.json")}
+
+
+def _check_out_files(args) -> None:
+    """The files this run writes in an existing --out are checked like --cost-profile-out, before
+    anything is measured: one that exists is replaced only with --overwrite (the default
+    runs/speed-<time>/ is fresh)."""
+    if not args.out or not Path(args.out).is_dir():
+        return
+    mode = "simulate" if args.simulate else "cost_curve" if args.cost_curve else "end_to_end"
+    for name in OUT_FILES[mode]:
+        if name != "cost_profile.json" or args.cost_profile_out is None:
+            check_output_file(Path(args.out) / name, "--out", args.overwrite)
 
 
 def check_output_file(path: Path, flag: str, overwrite: bool, applies: bool = True) -> None:

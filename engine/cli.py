@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
         if getattr(args, name) is None:
             setattr(args, name, value)
     dc = for_model(mc, DecodeConfig(method=args.method, **decoding_options(args))).validate()
-    tok = Tokenizer(model_dir)
+    tok = args.tokenizer = Tokenizer(model_dir)     # and the plain output's --top-logprobs lines
     from . import distributed
 
     tp = distributed.setup(args.device, mc)            # None unless launched by torchrun
@@ -170,6 +170,22 @@ def _explain(args, out: dict) -> None:
           "--depth 3, or --method confidence --threshold 0.9", file=sys.stderr)
 
 
+def _top_lines(tok, out: dict) -> list[str]:
+    """--top-logprobs K without --json: one line per generated token, after the text: its position,
+    its text and the K most likely tokens of the output that committed it with their probabilities."""
+    k = max(map(len, out["commit_top"]), default=0)
+    lines = [f"top {k} per generated token (position: token | alternatives and probabilities, most likely first):"]
+    for i, (t, top) in enumerate(zip(out["token_ids"], out["commit_top"])):
+        lines.append(f"{i}: {_token_text(tok, t)} | " + ", ".join(f"{_token_text(tok, a)} {p:.3g}" for a, p in top))
+    return lines
+
+
+def _token_text(tok, token_id: int) -> str:
+    """A token as its own decoding (quoted, escapes shown), or <id N> where that is empty (a special token)."""
+    text = tok.decode([token_id])
+    return repr(text) if text else f"<id {token_id}>"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from models.parallel import launched
@@ -202,6 +218,8 @@ def _main(args) -> int:
     if not args.json:
         if not args.stream:
             print(out["text"])
+        for line in _top_lines(args.tokenizer, out) if out.get("commit_top") is not None else ():
+            print(line)
         print(f"[{out['policy']} cache={out['cache']}] tokens={out['tokens']} calls={out['calls']} "
               f"tpf={out['tpf']:.2f} rows/call={out['rows_per_call']:.2f} seconds={out['seconds']:.2f}"
               f"{' (stopped at EOS)' if out['stopped'] else ''}")

@@ -6,7 +6,8 @@ a time straight from the safetensors files, so a 7B checkpoint never needs twice
 
 Every problem with the directory is a `CheckpointError` of one line naming the file, shard or
 tensor: a malformed index, a missing, unreadable, truncated or foreign shard, a missing,
-unexpected or misshapen tensor, a non-float tensor, and a tensor holding NaN or Inf (checked
+unexpected or misshapen tensor (a tied model's stored head is skipped if it is the embedding,
+refused if not), a non-float tensor, and a tensor holding NaN or Inf (checked
 as each tensor is loaded with one reduction, 0.03-0.1 s per GiB on a 2-core CPU; docs/models.md).
 """
 from __future__ import annotations
@@ -461,6 +462,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
               f"{' and '.join(_SKIPPED_PREFIXES[config.family])}): this engine runs the text model", file=sys.stderr)
     check_fits(config, dtype, device, str(path / "config.json"),
                sum(check_safetensors(f) for f in set(files.values())), world)
+    check_tied_head(config, files)
     with torch.device("meta"), SkipMetaInit():
         full = Transformer(config)
         model = Transformer(config, tp) if tp is not None else full
@@ -487,6 +489,7 @@ def _shards(config: ModelConfig, path: Path, files: dict[str, Path] | None = Non
     files = _tensor_files(path) if files is None else files
     known = set(expected.values())
     skipped = _SKIPPED_PREFIXES.get(config.family, ())
+    known |= {_tied_head(config)} - {None}    # stored anyway by some exporters: check_tied_head compares it
     for name in files:
         if name not in known and not name.endswith(_IGNORED_SUFFIXES) and not name.startswith(skipped):
             raise CheckpointError(f"unexpected tensor {name} in {path} for a {config.family} model")
@@ -497,6 +500,50 @@ def _shards(config: ModelConfig, path: Path, files: dict[str, Path] | None = Non
     for internal, name in expected.items():
         by_file.setdefault(files[name], {})[internal] = name
     return by_file
+
+
+def _tied_head(config: ModelConfig) -> str | None:
+    """The checkpoint name of the LM head a tied model shares with its embedding, else None."""
+    if not config.tie_embeddings:
+        return None
+    return _TOP_NAMES.get(_layout(config), {}).get("output.weight", "lm_head.weight")
+
+
+def check_tied_head(config: ModelConfig, files: dict[str, Path]) -> None:
+    """A tied model's head tensor, which exporters (DeepSpeed, FSDP) may store although it is the
+    embedding, is accepted and skipped if it equals the embedding as stored (compared in the less
+    precise of the two stored dtypes, chunk by chunk straight from the files: no extra copy of
+    either); one that differs is one error line naming both (which one is the head is a guess)."""
+    head = _tied_head(config)
+    if head is None or head not in files:
+        return
+    emb = checkpoint_names(config)["tok_embeddings.weight"]
+    tie = "weight_tying" if config.family == "llada" else "tie_word_embeddings"
+
+    def differs(why: str) -> CheckpointError:
+        return CheckpointError(f"{files[head]}: the config ties the head to the embedding ({tie}: true), but the "
+                               f"stored head {head} differs from the embedding {emb} ({why}); a tied model with "
+                               f"a different head is ambiguous")
+
+    with _safe_open(files[emb]) as fe, _safe_open(files[head]) as fh:
+        try:
+            e, h = fe.get_slice(emb), fh.get_slice(head)
+            shape = list(e.get_shape())
+            if list(h.get_shape()) != shape:
+                raise differs(f"shape {list(h.get_shape())}, the embedding's {shape}")
+            step = max(1, _COUNT_CHUNK // max(1, math.prod(shape[1:])))
+            for i in range(0, shape[0] if shape else 0, step):
+                a, b = e[i:i + step], h[i:i + step]
+                if b.dtype not in _FLOAT_DTYPES or a.dtype not in _FLOAT_DTYPES:
+                    raise differs(f"dtype {_dtype_name(b.dtype)}, the embedding's {_dtype_name(a.dtype)}")
+                common = max(a.dtype, b.dtype, key=lambda d: torch.finfo(d).eps)
+                if not torch.equal(a.to(common), b.to(common)):
+                    raise differs(f"first at row {i + int((a.to(common) != b.to(common)).any(-1).nonzero()[0])}")
+        except CheckpointError:
+            raise
+        except Exception as ex:  # an I/O error or a header the data does not match
+            raise CheckpointError(f"cannot compare the stored head {head} with the embedding {emb}: "
+                                  f"{_one_line(ex)}") from None
 
 
 def _read_tensor(f, fpath: Path, name: str, shape: tuple, dtype: torch.dtype, device, check_finite: bool,

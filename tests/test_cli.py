@@ -50,6 +50,38 @@ def test_plain_output_and_undecodable_ids(ckpt, capsys):
     assert "calls=" in lines[-1] and "tpf=" in lines[-1]
 
 
+@pytest.mark.parametrize("stream", [[], ["--stream"]], ids=["plain", "stream"])
+def test_plain_output_prints_top_logprobs(ckpt, capsys, stream):
+    """--top-logprobs K without --json: one line per generated token between the text and the summary
+    line, the same ids (as their text, or <id N>) and probabilities as --json's commit_top."""
+    argv = ["t5 t6 t7", "--model", ckpt, "--gen-length", "16", "--block-length", "8", "--top-logprobs", "3"]
+    code, out, err = run(argv + ["--json"], capsys)
+    assert code == 0, err
+    obj = json.loads(out)
+    code, out, err = run(argv + stream, capsys)
+    assert code == 0, err
+    lines = out.rstrip("\n").split("\n")
+    start = lines.index("top 3 per generated token (position: token | alternatives and probabilities, "
+                        "most likely first):")
+    rows = lines[start + 1:-1]
+    assert lines[-1].startswith("[greedy cache=none] tokens=") and len(rows) == obj["tokens"]
+    for i, (row, t, top) in enumerate(zip(rows, obj["token_ids"], obj["commit_top"])):
+        pos, rest = row.split(": ", 1)
+        token, alts = rest.split(" | ")
+        assert int(pos) == i and len(top) == 3 and token == _shown(t)
+        for alt, (a, p) in zip(alts.split(", "), top):
+            shown, prob = alt.rsplit(" ", 1)
+            assert shown == _shown(a) and float(prob) == pytest.approx(p, rel=6e-3, abs=1e-12)
+    assert "<id " in out or all(t < 60 for t in obj["token_ids"])
+    code, out, err = run(argv[:-2] + stream, capsys)
+    assert code == 0 and "top 3" not in out and "|" not in out          # without the flag: as before
+
+
+def _shown(token_id: int) -> str:
+    """How the plain output writes a token of the test checkpoint (its tokenizer names ids below 60 t<id>)."""
+    return f"<id {token_id}>" if token_id >= 60 else repr(f"t{token_id}")
+
+
 def test_prompt_from_file_and_stdin(ckpt, capsys, tmp_path, monkeypatch):
     f = tmp_path / "p.txt"
     f.write_text("t5 t6 t7")

@@ -477,6 +477,37 @@ def test_speed_cost_profile_out_overwrite_replaces(tmp_path, capsys):
     assert json.loads(prof.read_text())["format"] == speed.PROFILE_FORMAT
 
 
+@pytest.mark.parametrize("mode,name", [(["--cost-curve"], "cost_profile.json"), (["--cost-curve"], "cost_curve.csv"),
+                                       (["--cost-curve"], "cost_curve.md"), ([], "speed.json"), ([], "speed.md"),
+                                       (["--simulate", "h100-sxm"], "projection.csv")])
+def test_speed_out_files_are_not_overwritten(tmp_path, capsys, monkeypatch, mode, name):
+    """A file an earlier run left in --out (the default cost profile included) is replaced only with
+    --overwrite: one error line before anything is measured, the file as it was."""
+    _nothing_measured(monkeypatch)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / name).write_text("mine")
+    rc, _, err = _speed(mode + ["--shape", "tiny", "--out", str(out)], capsys)
+    one_error_line(rc, err, f"--out {out / name} exists; pass --overwrite to replace it")
+    assert (out / name).read_text() == "mine" and os.listdir(out) == [name]
+
+
+def test_speed_cost_curve_out_overwrite_replaces(tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "cost_profile.json").write_text("{}")
+    argv = ["--cost-curve", "--shape", "tiny", "--prefix", "8", "--rows", "1", "--block-length", "8", "--cost-reps",
+            "1", "--dtype", "float32", "--threads", "1", "--quiet", "--out", str(out)]
+    rc, _, err = _speed(argv + ["--cost-profile-out", str(tmp_path / "p.json")], capsys)
+    assert rc == 0, err                         # the profile goes elsewhere: the one in --out is not this run's
+    assert (out / "cost_profile.json").read_text() == "{}"
+    rc, _, err = _speed(argv, capsys)
+    one_error_line(rc, err, "cost_profile.json exists; pass --overwrite")
+    rc, _, err = _speed(argv + ["--overwrite"], capsys)
+    assert rc == 0, err
+    assert json.loads((out / "cost_profile.json").read_text())["format"] == speed.PROFILE_FORMAT
+
+
 def test_speed_shape_too_large_for_memory_fails_up_front(tmp_path, capsys, monkeypatch):
     _nothing_measured(monkeypatch)
     monkeypatch.setattr(speed, "available_memory", lambda device="cpu": 8 << 30)

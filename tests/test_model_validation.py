@@ -465,6 +465,92 @@ def test_finite_check_is_a_reduction_not_a_mask(monkeypatch, pristine):
     assert calls and max(calls) == 1
 
 
+# ---------------------------------------------------------------------- tied embeddings with a stored head
+TIED = {"llada": ("model.transformer.wte.weight", "model.transformer.ff_out.weight"),
+        "dream": ("model.embed_tokens.weight", "lm_head.weight"),
+        "llada2": ("model.word_embeddings.weight", "lm_head.weight"),
+        "diffusion_gemma": ("model.decoder.embed_tokens.weight", "lm_head.weight")}
+
+
+def _tied(tmp_path, family: str, head_of=lambda emb: emb.clone(), **kw) -> tuple[Path, Path, str, str]:
+    """A tied checkpoint of `family` plus its stored head (`head_of(embedding)`), as DeepSpeed or FSDP
+    exports write it; (directory, the same checkpoint without the head, embedding name, head name)."""
+    emb, head = TIED[family]
+    plain = make_checkpoint(tmp_path / "plain", family, seed=1, tie_embeddings=True, **kw)[0]
+    d = tmp_path / "m"
+    shutil.copytree(plain, d)
+    if (d / "model.safetensors").is_file():
+        _rewrite_tensors(d / "model.safetensors", lambda sd: sd.update({head: head_of(sd[emb])}))
+        return d, plain, emb, head
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    embedding = load_file(str(d / index["weight_map"][emb]))[emb]
+    save_file({head: head_of(embedding)}, str(d / "head.safetensors"), metadata={"format": "pt"})
+    index["weight_map"][head] = "head.safetensors"       # the head in a shard of its own
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return d, plain, emb, head
+
+
+@pytest.mark.parametrize("family,kw", [("llada", {}), ("dream", {}), ("llada2", {}), ("diffusion_gemma", {}),
+                                       ("dream", {"shard_bytes": 20_000})], ids=["llada", "dream", "llada2", "dg",
+                                                                                 "dream-sharded"])
+def test_tied_checkpoint_with_a_stored_equal_head_loads(tmp_path, family, kw):
+    """transformers loads a tied checkpoint that stores its head too: so does this loader, skipping
+    the head once it equals the embedding; the model is the one without the stored head."""
+    d, plain, _, _ = _tied(tmp_path, family, **kw)
+    got, want = load_model(d), load_model(plain)
+    assert got.output is None and got.config.tie_embeddings
+    w = dict(want.named_parameters())
+    assert all(torch.equal(p, w[k]) for k, p in got.named_parameters())
+
+
+def test_tied_head_stored_in_a_narrower_dtype_is_the_embedding(tmp_path):
+    """A bfloat16 head of a float32 embedding is equal where bfloat16 can tell (the less precise dtype)."""
+    d, _, _, _ = _tied(tmp_path, "dream", lambda emb: emb.to(torch.bfloat16))
+    assert load_model(d).output is None
+
+
+@pytest.mark.parametrize("how", ["value", "shape", "dtype"])
+def test_tied_checkpoint_with_a_different_head_is_one_line(tmp_path, monkeypatch, how):
+    """A tied model whose stored head is not its embedding is ambiguous: one line naming both tensors
+    (the first differing row found through small chunks: the head is compared a chunk at a time)."""
+    import models.checkpoint as ckpt
+
+    def edit(emb):
+        if how == "shape":
+            return emb[:-1].clone()
+        if how == "dtype":
+            return emb.to(torch.int32)
+        t = emb.clone()
+        t[37, 5] += 1e-3
+        return t
+
+    d, _, emb, head = _tied(tmp_path, "llada", edit)
+    monkeypatch.setattr(ckpt, "_COUNT_CHUNK", 64 * 4)          # 4 rows of the tiny model a chunk
+    why = {"value": "first at row 37", "shape": "shape [", "dtype": "dtype int32"}[how]
+    with pytest.raises(CheckpointError, match=re.escape(f"stored head {head} differs from the embedding {emb} "
+                                                        f"({why}")) as e:
+        load_model(d)
+    assert "weight_tying: true" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tied_head_that_differs_is_one_cli_line(tmp_path):
+    d, _, emb, head = _tied(tmp_path, "dream", lambda emb: emb * 2)
+    _assert_one_line_error(_cli(d), f"stored head {head} differs from the embedding {emb}", "tie_word_embeddings")
+
+
+def test_untied_checkpoint_still_needs_its_head_and_refuses_strangers(pristine, tmp_path):
+    d = _copy(pristine, tmp_path, "dream")
+    _rewrite_tensors(d / "model.safetensors", lambda sd: sd.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match="missing tensor lm_head.weight"):
+        load_model(d)
+    d = _copy(pristine, tmp_path / "x", "llada")
+    _rewrite_tensors(d / "model.safetensors", lambda sd: sd.update({"lm_head.weight": torch.zeros(1)}))
+    with pytest.raises(CheckpointError, match="unexpected tensor lm_head.weight"):
+        load_model(d)
+
+
 # ---------------------------------------------------------------------- as a user hits them
 def _nan_in_layer0(d):
     _rewrite_tensors(d / "model.safetensors", _poison("model.transformer.blocks.0.q_proj.weight"))
