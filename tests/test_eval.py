@@ -162,3 +162,105 @@ def test_precision_at_k_uses_problem_indices_across_batches(tiny, tmp_path, caps
                           "--gen-length", "16", "--block-length", "16", "--batch-size", bs, "--quiet",
                           "--out", str(tmp_path / f"r{bs}.jsonl"), "--plot", str(tmp_path / "f")]) == 0
     assert seen[0] == seen[1] and seen[0][1]
+
+
+class _Loaded(Exception):
+    """The weights were about to load: every up-front check passed."""
+
+
+def _no_weights(monkeypatch):
+    import bench.eval as ev
+
+    def loaded(*a, **k):
+        raise _Loaded
+    monkeypatch.setattr(ev, "load_model", loaded)
+
+
+def _one_error_line(err: str, *parts: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert all(p in lines[0] for p in parts), lines[0]
+    return lines[0]
+
+
+def _jsonl(path: Path, recs) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+HE = [{"task_id": f"HumanEval/{i}", "entry_point": f"f{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n",
+       "canonical_solution": f"    return x + {i}\n", "test": f"def check(c):\n    assert c(1) == {1 + i}\n"}
+      for i in range(3)]
+
+
+def test_few_shot_examples_are_never_evaluated_problems(tiny, tmp_path, capsys, monkeypatch):
+    """HumanEval --few-shot 1 put HumanEval/0 with its canonical solution into every prompt and still
+    evaluated HumanEval/0; a shot that is an evaluated problem is one error line before any weights
+    load, and examples from a separate file are taken."""
+    _no_weights(monkeypatch)
+    data = _jsonl(tmp_path / "he.jsonl", HE)
+    base = ["--model", str(tiny), "--task", "humaneval", "--data", str(data), "--few-shot", "1", "--gen-length",
+            "32", "--methods", "greedy", "--unsafe-sandbox", "--out", str(tmp_path / "r.jsonl")]
+    assert eval_main(base) == 2
+    _one_error_line(capsys.readouterr().err, "the few-shot example HumanEval/0 is the evaluated problem HumanEval/0")
+    shots = _jsonl(tmp_path / "shots.jsonl", [{**HE[1], "task_id": "Mine/0", "prompt": "def g(x):\n"}])
+    with pytest.raises(_Loaded):
+        eval_main(base + ["--few-shot-data", str(shots)])
+
+
+def test_synthetic_suites_take_the_few_shot_data(tiny, tmp_path, capsys, monkeypatch):
+    """math/code used --few-shot-data only as the file to stay disjoint from: the user's examples were
+    silently replaced by generated ones (and the evaluated --data was not excluded)."""
+    import bench.eval as ev
+    from bench.tasks import math as mt
+
+    _no_weights(monkeypatch)
+    seen = []
+    few_shots = ev._few_shots
+    monkeypatch.setattr(ev, "_few_shots", lambda *a: seen.append(few_shots(*a)) or seen[-1])
+    mine = [{"id": f"my-{i}", "prompt": f"My own example {i}: what is 2 + {i}?", "answer": f"#### {2 + i}",
+             "target": str(2 + i)} for i in range(3)]
+    shots = _jsonl(tmp_path / "my_shots.jsonl", mine)
+    base = ["--model", str(tiny), "--task", "math", "--limit", "2", "--gen-length", "16", "--block-length", "16",
+            "--out", str(tmp_path / "r.jsonl")]
+    with pytest.raises(_Loaded):
+        eval_main(base + ["--few-shot", "2", "--few-shot-data", str(shots)])
+    assert seen[-1][1] == mine[:2]
+    data = _jsonl(tmp_path / "data.jsonl", mt.load(limit=3))             # shots from the evaluated file
+    assert eval_main(base + ["--few-shot", "1", "--data", str(data), "--few-shot-data", str(data)]) == 2
+    _one_error_line(capsys.readouterr().err, "is the evaluated problem math-1001-00000")
+
+
+def test_every_specs_gen_length_is_checked_against_the_window_up_front(tiny, tmp_path, capsys, monkeypatch):
+    """A spec's own gen_length was checked only when that method ran, after greedy had decoded and
+    been written; now it is one error line before any weights load or any output."""
+    _no_weights(monkeypatch)
+    out = tmp_path / "r.jsonl"
+    assert eval_main(["--model", str(tiny), "--task", "math", "--limit", "2", "--gen-length", "16",
+                      "--block-length", "16", "--methods", "greedy", "confidence:gen_length=4096",
+                      "--out", str(out)]) == 2
+    _one_error_line(capsys.readouterr().err, "method confidence:gen_length=4096: ", "4096-token window",
+                    "plus gen_length=4096; use gen_length=")
+    assert not out.exists()
+
+
+def test_plot_files_are_replaced_only_with_overwrite(tiny, tmp_path, capsys, monkeypatch):
+    """--plot silently replaced the figures of an earlier run (--overwrite guarded only --out)."""
+    fig = tmp_path / "fig"
+    fig.mkdir()
+    (fig / "pareto.png").write_bytes(b"an earlier run")
+    argv = ["--model", str(tiny), "--task", "math", "--limit", "2", "--gen-length", "16", "--block-length", "16",
+            "--methods", "greedy", "--plot", str(fig), "--quiet"]
+    _no_weights(monkeypatch)
+    assert eval_main(argv + ["--out", str(tmp_path / "r.jsonl")]) == 2
+    _one_error_line(capsys.readouterr().err, f"--plot {fig} holds pareto.png", "--overwrite")
+    assert (fig / "pareto.png").read_bytes() == b"an earlier run" and not (tmp_path / "r.jsonl").exists()
+    with pytest.raises(_Loaded):
+        eval_main(argv + ["--out", str(tmp_path / "r.jsonl"), "--overwrite"])
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_write_failure_after_decoding_is_one_error_line(tiny, tmp_path, capsys):
+    assert eval_main(["--model", str(tiny), "--task", "math", "--limit", "2", "--gen-length", "16",
+                      "--block-length", "16", "--methods", "greedy", "--quiet", "--out", "/dev/full"]) == 2
+    _one_error_line(capsys.readouterr().err, "--out /dev/full: cannot write the results")

@@ -466,6 +466,50 @@ def test_humaneval_without_package_or_path(monkeypatch):
     assert "\n" not in str(ei.value) and "--data" in str(ei.value)
 
 
+def test_humaneval_few_shot_needs_a_separate_file(tmp_path, monkeypatch):
+    """HumanEval is published zero-shot over all its problems: its own first problems (with their
+    canonical solutions) as shots were also evaluated; k > 0 now needs a separate file."""
+    monkeypatch.setattr(humaneval, "bundled_path", lambda: _write_jsonl(tmp_path / "he.jsonl", HE_RECS))
+    assert humaneval.few_shot(0) == []
+    with pytest.raises(ValueError) as ei:
+        humaneval.few_shot(1)
+    assert "\n" not in str(ei.value) and "--few-shot-data" in str(ei.value)
+    other = _write_jsonl(tmp_path / "shots.jsonl", [{**HE_RECS[1], "task_id": "Mine/0"}])
+    assert [s["id"] for s in humaneval.few_shot(1, other)] == ["Mine/0"]
+
+
+def test_mbpp_fallback_shots_are_never_evaluated(tmp_path):
+    """A file without tasks 2, 3, 4 gave its first tasks as shots, evaluated ones included (a
+    test-split export: mbpp-11 was a shot and a problem); the fallback takes tasks outside the
+    test split only, else one error line."""
+    rest = [r for r in MBPP_RECS if r["task_id"] not in (2, 3, 4)]
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", rest)
+    assert [s["task_id"] for s in mbpp.few_shot(1, mixed)] == [700]
+    test_only = _write_jsonl(tmp_path / "test_only.jsonl", [r for r in rest if 11 <= r["task_id"] <= 510])
+    for path, k in ((test_only, 1), (mixed, 2)):
+        with pytest.raises(ValueError) as ei:
+            mbpp.few_shot(k, path)
+        assert "\n" not in str(ei.value) and "outside the evaluated test split (task ids 11-510" in str(ei.value)
+    assert [s["task_id"] for s in mbpp.few_shot(3, _write_jsonl(tmp_path / "all.jsonl", MBPP_RECS))] == [2, 3, 4]
+
+
+def test_synthetic_few_shot_reads_the_given_file_and_generates_disjoint_otherwise(tmp_path):
+    """math/code `few_shot(k, path)` took `path` as the file to stay disjoint from and generated the
+    same examples whatever it held (--few-shot-data was ignored); it is now the examples' file,
+    and `heldout` is the evaluated file generated examples avoid."""
+    for mod in (mt, ct):
+        held = mod.load(limit=4)
+        mine = [{**p, "id": f"mine-{i}"} for i, p in enumerate(held)]
+        shots = _write_jsonl(tmp_path / f"{mod.NAME}_shots.jsonl", mine)
+        assert mod.few_shot(3, shots) == mine[:3]
+        first = mod.few_shot(2)
+        heldout = _write_jsonl(tmp_path / f"{mod.NAME}_held.jsonl", first[:1])
+        again = mod.few_shot(2, heldout=heldout)
+        assert normalize_prompt(first[0]["prompt"]) not in {normalize_prompt(p["prompt"]) for p in again}
+    with pytest.raises(ValueError, match="lacks the field 'answer'"):
+        mt.few_shot(1, _write_jsonl(tmp_path / "no_answer.jsonl", [{"id": "x", "prompt": "p", "target": "1"}]))
+
+
 @pytest.mark.parametrize("name", TASKS)
 def test_missing_file_is_a_one_line_error_naming_the_path(name, tmp_path):
     missing = tmp_path / "does_not_exist.jsonl"

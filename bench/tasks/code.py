@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .common import (DATA_DIR, ID, OBJECT, STR, STR_LIST, Rng, assemble_program, code_suite,
-                     extract_code, normalize_prompt, qa_prompt, read_jsonl)
+                     extract_code, normalize_prompt, qa_prompt, read_examples, read_jsonl)
 
 NAME = "code"
 TEST_SEED = 2002
@@ -490,9 +490,15 @@ def load(path: str | Path | None = None, limit: int | None = None) -> list[dict]
     return probs[:limit] if limit is not None else probs
 
 
-def few_shot(k: int = 3, path: str | Path | None = None) -> list[dict]:
-    """``k`` fixed examples, disjoint from the held-out file."""
-    return generate_train(k, FEW_SHOT_SEED, exclude_path=path, variants=False) if k > 0 else []
+def few_shot(k: int = 3, path: str | Path | None = None, heldout: str | Path | None = None) -> list[dict]:
+    """``k`` examples: the first ``k`` of ``path``, a file in the held-out file's format
+    (``--few-shot-data``), else fixed generated ones disjoint from ``heldout`` (the evaluated
+    file; default the held-out file).  bench.eval refuses a shot that is an evaluated problem."""
+    if k <= 0:
+        return []
+    if path is not None:
+        return read_examples(path, k)
+    return generate_train(k, FEW_SHOT_SEED, heldout, variants=False)
 
 
 # --------------------------------------------------------------------------

@@ -207,6 +207,15 @@ def normalize_prompt(text: str) -> str:
 QA_SHOT_SEPARATOR = "\n\n"
 
 
+def read_examples(path, k: int) -> list[dict]:
+    """The first ``k`` records of a file of worked examples in a synthetic suite's data format
+    (math/code ``--few-shot-data``); each needs a string ``prompt`` and ``answer`` (else a
+    one-line ValueError)."""
+    examples = read_jsonl(path)[:k]
+    check_fields(examples, {"prompt": STR, "answer": STR}, f"few-shot data {path}")
+    return examples
+
+
 def qa_prompt(question: str, answer_sep: str, few_shot: Iterable[dict] = ()) -> str:
     parts = [f"Question: {s['prompt']}\nAnswer:{answer_sep}{s['answer']}" for s in few_shot]
     parts.append(f"Question: {question}\nAnswer:{answer_sep}")
@@ -436,10 +445,10 @@ def code_suite(build_program: Callable[[str, dict], str | None], fields: dict, t
 # does the task fit the model's window?
 
 
-def window_error(task, problems: Sequence[dict], shots: int, shots_path, encode: Callable[[str], list],
-                 window: int, gen_length: int, block_length: int) -> str | None:
-    """None if every prompt of ``problems`` (with ``shots`` examples from
-    ``shots_path``) plus ``gen_length`` fits the ``window``; else a one-line
+def window_error(task, problems: Sequence[dict], shots: int, examples: Callable[[int], list],
+                 encode: Callable[[str], list], window: int, gen_length: int, block_length: int) -> str | None:
+    """None if every prompt of ``problems`` (with the ``shots`` examples
+    ``examples(shots)`` gives) plus ``gen_length`` fits the ``window``; else a one-line
     message naming the longest prompt and the setting that fits these problems:
     the most shots that fit with ``gen_length``, else zero shots and the longest
     generation (a multiple of ``block_length``) that fits.
@@ -450,12 +459,12 @@ def window_error(task, problems: Sequence[dict], shots: int, shots_path, encode:
     if not problems:
         return None
     room = window - gen_length
-    examples: dict[int, list] = {}
+    built: dict[int, list] = {}
 
     def length(p: dict, k: int) -> int:
-        if k not in examples:
-            examples[k] = task.few_shot(k, shots_path) if k else []
-        return len(encode(task.format_prompt(p, examples[k])))
+        if k not in built:
+            built[k] = examples(k) if k else []
+        return len(encode(task.format_prompt(p, built[k])))
 
     def longest(k: int) -> tuple[int, str]:
         return max((length(p, k), p["id"]) for p in problems)

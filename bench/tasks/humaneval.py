@@ -11,7 +11,8 @@ Problems: ``id`` = task_id, ``prompt`` = the function signature + docstring,
 ``answer`` = canonical_solution, ``target`` = ``{"test", "entry_point"}``.
 
 Prompt format: the problem's ``prompt`` verbatim (zero-shot, the standard);
-few-shot examples, if any, are prepended as ``prompt + canonical_solution``
+few-shot examples, only from a separate file (``few_shot(k, path)``,
+``--few-shot-data``), are prepended as ``prompt + canonical_solution``
 blocks separated by blank lines.
 
 Checker: the completion is cut at the first of the stop sequences in
@@ -89,9 +90,18 @@ def load(path: str | Path | None = None, limit: int | None = None) -> list[dict]
 
 
 def few_shot(k: int = 0, path: str | Path | None = None) -> list[dict]:
-    """HumanEval is evaluated zero-shot; ``k > 0`` returns its first ``k``
-    problems (only for smoke tests: they are part of the benchmark)."""
-    return load(path, limit=k) if k > 0 else []
+    """The first ``k`` problems of ``path``, a separate file of examples
+    (``--few-shot-data``); none with ``k = 0``.  HumanEval is published
+    zero-shot over all 164 problems, so with no ``path`` ``k > 0`` is a
+    one-line ValueError: its own problems as shots would put the answers of
+    evaluated problems in the prompt (bench.eval also refuses a shot that is
+    an evaluated problem, so ``--data F`` alone cannot be its own shots)."""
+    if k <= 0:
+        return []
+    if path is None:
+        raise ValueError(f"--few-shot {k}: HumanEval is evaluated zero-shot over all its problems; few-shot "
+                         f"examples must come from a separate file of examples (--few-shot-data FILE)")
+    return load(path, limit=k)
 
 
 def format_prompt(problem: dict, few_shot: Iterable[dict] = ()) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from .common import (DATA_DIR, ID, NUMBER, STR, Rng, check_fields, extract_answer_number, normalize_prompt,
-                     numbers_equal, qa_prompt, read_jsonl)
+                     numbers_equal, qa_prompt, read_examples, read_jsonl)
 
 NAME = "math"
 TEST_SEED = 1001
@@ -584,9 +584,13 @@ def load(path: str | Path | None = None, limit: int | None = None) -> list[dict]
     return probs[:limit] if limit is not None else probs
 
 
-def few_shot(k: int = 3, path: str | Path | None = None) -> list[dict]:
-    """``k`` fixed worked examples, disjoint from the held-out file."""
-    return generate_train(k, FEW_SHOT_SEED, exclude_path=path) if k > 0 else []
+def few_shot(k: int = 3, path: str | Path | None = None, heldout: str | Path | None = None) -> list[dict]:
+    """``k`` worked examples: the first ``k`` of ``path``, a file in the held-out file's format
+    (``--few-shot-data``), else fixed generated ones disjoint from ``heldout`` (the evaluated
+    file; default the held-out file).  bench.eval refuses a shot that is an evaluated problem."""
+    if k <= 0:
+        return []
+    return read_examples(path, k) if path is not None else generate_train(k, FEW_SHOT_SEED, heldout)
 
 
 # --------------------------------------------------------------------------

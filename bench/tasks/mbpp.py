@@ -24,7 +24,8 @@ Prompt (the MBPP paper's, as lm-eval's ``mbpp`` renders it)::
     {code}
     [DONE]
 
-3 shots, tasks 2, 3 and 4 of ``mbpp.jsonl`` (the paper's choice), each
+3 shots, tasks 2, 3 and 4 of ``mbpp.jsonl`` (the paper's choice; a file without
+them gives its first tasks outside the test split, never an evaluated one), each
 written out with its reference code verbatim and ``[DONE]``, each followed by
 a blank line (``"\\n\\n"``); the query ends with ``[BEGIN]\\n``.
 
@@ -126,15 +127,22 @@ def load(path: str | Path | None = None, split: str = "test", limit: int | None 
 
 
 def few_shot(k: int = DEFAULT_SHOTS, path: str | Path | None = None) -> list[dict]:
-    """Tasks 2, 3, 4 of ``path`` (default: the shipped ``mbpp.jsonl``); its
-    first tasks if those ids are absent."""
+    """Tasks 2, 3, 4 of ``path`` (default: the shipped ``mbpp.jsonl``); if
+    those ids are absent, its first tasks outside the evaluated test split
+    (ids 11-510).  A one-line ValueError when that leaves fewer than ``k``
+    because the file's other tasks are evaluated ones (a test-split export)."""
     if k <= 0:
         return []
     allp = load(path, split="all")
     by_id = {p["task_id"]: p for p in allp}
     shots = [by_id[i] for i in FEW_SHOT_IDS if i in by_id][:k]
-    if len(shots) < k:
-        shots += [p for p in allp if p not in shots][: k - len(shots)]
+    lo, hi = SPLITS["test"]
+    outside = [p for p in allp if p not in shots and not lo <= int(p["task_id"]) <= hi]
+    shots += outside[: k - len(shots)]
+    if len(shots) < k and len(allp) > len(shots):
+        raise ValueError(f"--few-shot {k}: {DATA_FILE if path is None else path} holds only {len(shots)} MBPP "
+                         f"tasks outside the evaluated test split (task ids {lo}-{hi}; the shots are tasks "
+                         f"{', '.join(map(str, FEW_SHOT_IDS))}); give --few-shot-data FILE with such tasks")
     return shots
 
 
