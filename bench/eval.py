@@ -185,9 +185,10 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file and --plot figures")
     p.add_argument("--plot", help="directory for the PNG figures")
     p.add_argument("--unsafe-sandbox", action="store_true",
-                   help="code suites: run generated code with the sandbox's reduced isolation (rlimits and "
-                        "per-program processes, no filesystem or network isolation) where Linux namespace "
-                        "isolation is unavailable; without it such a machine is an error before decoding")
+                   help="code suites: where Linux namespace isolation is unavailable, run generated code with the "
+                        "sandbox's reduced isolation (rlimits and per-program processes, no filesystem or network "
+                        "isolation); without it such a machine is an error before decoding. Where namespaces "
+                        "work they are used either way")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar at a terminal, else a line "
                                                          "every 30 s, $PSD_PROGRESS_SECONDS)")
     args = p.parse_args(argv)
@@ -261,8 +262,18 @@ def _output_file(args, rank: int) -> Path:
 
 def sandbox_mode(args) -> str | None:
     """The sandbox isolation generated code runs under: None (Linux namespaces, or the sandbox
-    refuses), or "fallback" with --unsafe-sandbox (reduced isolation, an explicit opt-in)."""
-    return "fallback" if getattr(args, "unsafe_sandbox", False) else None
+    refuses), or "fallback" where --unsafe-sandbox allows reduced isolation and the namespace level
+    cannot be set up here. The flag permits the reduced level, it never lowers one that works
+    (probed once per process: `sandbox.isolation` keeps its answer)."""
+    if not getattr(args, "unsafe_sandbox", False):
+        return None
+    from . import sandbox
+
+    try:
+        sandbox.isolation("namespaces")
+        return None
+    except sandbox.SandboxUnavailable:
+        return "fallback"
 
 
 def check_sandbox(mode: str | None) -> str:

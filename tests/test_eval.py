@@ -264,3 +264,23 @@ def test_a_write_failure_after_decoding_is_one_error_line(tiny, tmp_path, capsys
     assert eval_main(["--model", str(tiny), "--task", "math", "--limit", "2", "--gen-length", "16",
                       "--block-length", "16", "--methods", "greedy", "--quiet", "--out", "/dev/full"]) == 2
     _one_error_line(capsys.readouterr().err, "--out /dev/full: cannot write the results")
+
+
+def test_unsafe_sandbox_allows_the_reduced_level_and_never_lowers_namespaces(monkeypatch):
+    """--unsafe-sandbox: where Linux namespaces can be set up, generated code still runs under them
+    (the flag used to force the reduced level everywhere); only where they cannot is it "fallback"."""
+    import argparse
+
+    from bench import sandbox
+    from bench.eval import sandbox_mode
+
+    asked = argparse.Namespace(unsafe_sandbox=True)
+    assert sandbox_mode(argparse.Namespace(unsafe_sandbox=False)) is None
+    monkeypatch.setattr(sandbox, "isolation", lambda mode=None: "namespaces")
+    assert sandbox_mode(asked) is None
+
+    def unavailable(mode=None):
+        raise sandbox.SandboxUnavailable("no user namespaces here")
+
+    monkeypatch.setattr(sandbox, "isolation", unavailable)
+    assert sandbox_mode(asked) == "fallback"
