@@ -66,7 +66,8 @@ class Decoder:
         if self.dc.cuda_graphs:                # verification calls replayed from CUDA graphs (engine/graphs.py)
             self.cache_mode = graphed(self.cache_mode, self.dc, model.device)
         if self.dc.cross_block and self.mc.attention != "bidirectional":
-            raise InputError("--cross-block needs a bidirectional model (a context-causal block never sees the next)")
+            raise InputError(f"--cross-block needs a bidirectional model (a {self.mc.attention.replace('_', '-')} "
+                             f"block never sees the next)")
         dev = model.device
         self.stop_ids = torch.tensor(self.mc.stop_token_ids, device=dev)
         selection = lambda g: self.dc.selection(self.policy, g, self.mc.mask_token_id)   # noqa: E731

@@ -312,12 +312,29 @@ class MoE(nn.Module):
         return ids, w * self.scale
 
     def forward(self, x):
-        import psd_kernels
-
         flat = x.reshape(-1, x.shape[-1])                                                 # [R·T, H]
         ids, w = self.route(flat)
-        y = psd_kernels.moe(flat, self.w_gate, self.w_up, self.w_down, ids, w).view_as(x)
+        y = routed_experts(flat, self.w_gate, self.w_up, self.w_down, ids, w).view_as(x)
         return y if self.shared is None else y + self.shared(x)
+
+
+def routed_experts(x, w_gate, w_up, w_down, ids, weights):
+    """`psd_kernels.moe`; once a model is compiled, outside its graphs (`_experts_out_of_graphs`)."""
+    import psd_kernels
+
+    return psd_kernels.moe(x, w_gate, w_up, w_down, ids, weights)
+
+
+def _experts_out_of_graphs() -> None:
+    """`--compile` runs the routed experts eagerly: their slots grouped per expert are sized by a host
+    read of the counts, and inductor generated code that failed on those sizes (NameError on a size
+    symbol) when a batch's rows routed differently; the rest of each block compiles as before. Done
+    when the first model is compiled, not at import (torch.compiler brings in dynamo: seconds of
+    start-up)."""
+    global routed_experts
+    if not getattr(routed_experts, "out_of_graphs", False):
+        routed_experts = torch.compiler.disable(routed_experts)
+        routed_experts.out_of_graphs = True
 
 
 def grouped_experts(x, w_gate, w_up, w_down, ids, weights, act):
@@ -499,6 +516,7 @@ class Transformer(nn.Module):
         model itself stays eager. Made once per model; the first calls of each shape compile."""
         twin = self.__dict__.get("_compiled_twin")
         if twin is None:
+            _experts_out_of_graphs()
             twin = Transformer.__new__(Transformer)
             twin.__dict__.update(self.__dict__)
             twin._modules = dict(self._modules)            # a new module table: the blocks differ

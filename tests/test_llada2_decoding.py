@@ -208,6 +208,36 @@ def test_auto_alignment_is_sequence_on_block_causal_models():
     assert gen[0].commit_block[:4] == [0, 0, 0, 0]
 
 
+def test_auto_alignment_takes_any_gen_length_where_it_is_sequence():
+    """gen length 10 with blocks of 4: `auto` is `sequence` on block-causal llada2, which takes any
+    gen length (it was refused before the model was known); `generation`, and `auto` on a
+    bidirectional model, are one error line naming --align sequence."""
+    model = tiny_llada2(4, seed=2)
+    prompts = [prompt(random.Random(6), 5, model.config)]
+    kw = dict(method="threshold", gen_length=10, block_length=4, threshold=0.3)
+    auto = generate(model, prompts, **kw)
+    assert auto[0].token_ids == generate(model, prompts, align="sequence", **kw)[0].token_ids
+    assert len(auto[0].token_ids) <= 10
+    with pytest.raises(InputError, match="not a multiple of the block length 4 .--align sequence takes any"):
+        generate(model, prompts, align="generation", **kw)
+    dense = init_random(ModelConfig.tiny("llada"), seed=0).eval()
+    with pytest.raises(InputError, match="not a multiple of the block length 4"):
+        generate(dense, [[5, 6, 7]], **kw)
+
+
+@pytest.mark.slow
+def test_compile_keeps_the_tokens_of_a_mixture_of_experts_batch():
+    """--compile on llada2: rows of different prompt lengths route their tokens to different experts;
+    the routed experts run outside the compiled graphs (their per-expert sizes come from a host read),
+    where inductor's code had failed (NameError on a size symbol). Tokens equal eager's."""
+    model = tiny_llada2(4, seed=4, eos_bias=2.0)
+    rng = random.Random(11)
+    prompts = [prompt(rng, n, model.config) for n in (3, 9)]
+    kw = dict(method="threshold", threshold=0.3, gen_length=12, block_length=4)
+    eager = [r.token_ids for r in generate(model, prompts, **kw)]
+    assert [r.token_ids for r in generate(model, prompts, compile=True, **kw)] == eager
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_caches_are_exact_on_block_causal_llada2(cache):
     """A finished block never changes and never sees a later one, so its keys/values cached at the
