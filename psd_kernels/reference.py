@@ -333,6 +333,8 @@ def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_m
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     K, H, L, D = q.shape
+    if D < 1:
+        raise ValueError("q's head dim D must be >= 1 (the scale is 1/sqrt(D))")
     C, Hkv, S, Dk = k_shared.shape if k_shared.dim() == 4 else (1, *k_shared.shape)
     if Hkv < 1 or H % Hkv != 0:
         raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv}")
@@ -397,6 +399,9 @@ def _attend_lse(q, k, v, scale, key_mask):
         out = q.new_zeros(q.shape)
         return out, torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     if USE_FLASH_CPU and q.device.type == "cpu":
+        # the private flash op assumes a unit stride in the head dim (the public SDPA copies such
+        # inputs first): a q, k or v without one gave wrong values, silently
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         bias = None
         if key_mask is not None:
             bias = torch.zeros(key_mask.shape, dtype=q.dtype).masked_fill_(~key_mask, float("-inf"))

@@ -502,6 +502,27 @@ def test_bad_inputs(backend, device):
         call(q, ks, vs, ko, vo, shared_mask=torch.ones(4, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match="floating point"):
         call(q.long(), ks.long(), vs.long(), ko.long(), vo.long())
+    with pytest.raises(ValueError, match="head dim D must be >= 1"):       # was a ZeroDivisionError
+        call(q[..., :0], ks[..., :0], vs[..., :0], ko[..., :0], vo[..., :0])
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_reference_takes_inputs_without_a_unit_stride_in_the_head_dim(flash, monkeypatch):
+    """The same values with the head dim not contiguous (a slice of an interleaved buffer, or the
+    head dim outermost in memory) give the same attention: the CPU flash op assumed a unit stride
+    and returned wrong values silently."""
+    monkeypatch.setattr(reference, "USE_FLASH_CPU", flash)
+    gen = torch.Generator().manual_seed(0)
+    args = make_inputs(2, 2, 1, 3, 7, 8, torch.float32, gen, "cpu")
+    want = reference.shared_prefix_attention(*args)
+    for i in range(5):
+        for f in (lambda t: torch.stack([t, torch.zeros_like(t)], -1).flatten(-2)[..., ::2],
+                  lambda t: t.movedim(-1, 0).contiguous().movedim(0, -1)):
+            moved = list(args)
+            moved[i] = f(args[i])
+            assert moved[i].stride(-1) != 1 and torch.equal(moved[i], args[i])
+            got = reference.shared_prefix_attention(*moved)        # (the bug: off by 0.77 up to 1.6e6)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
 def test_plan_rows_checks():
