@@ -270,8 +270,7 @@ def sandbox_mode(args) -> str | None:
     from . import sandbox
 
     try:
-        sandbox.isolation("namespaces")
-        return None
+        return None if sandbox.isolation("namespaces") == "namespaces" else "fallback"
     except sandbox.SandboxUnavailable:
         return "fallback"
 

@@ -113,7 +113,7 @@ class DecodeConfig:
         if top >= self.block_length * self.window_blocks:
             raise InputError(f"the draft graph names rank {top}, but a step ranks at most "
                              f"{self.block_length * self.window_blocks} positions (the block length)")
-        if self.gen_length % self.block_length and self.align == "generation":
+        if self.gen_length % self.block_length and self.align != "sequence":
             raise InputError(self.unaligned())
         needs = self.spec.policy_class(self).score
         if needs is not None and self.given.get("score", needs) != needs:

@@ -98,8 +98,6 @@ def for_model(mc, dc):
     if mc.mask_token_id is None:
         return uniform_config(mc, dc)
     refuse_settings(mc, dc)
-    if dc.validate().gen_length % dc.block_length and not dc.aligned(mc):   # auto: sequence on block-causal models
-        raise InputError(dc.unaligned())
     return dc
 
 

@@ -397,7 +397,14 @@ def test_eval_code_without_namespaces_says_so_before_decoding(tmp_path, capsys, 
 @needs_default
 def test_eval_unsafe_sandbox_opts_in_to_the_fallback(tmp_path, capsys, monkeypatch):
     asked, batches = [], []
-    monkeypatch.setattr(sandbox, "isolation", lambda mode=None: asked.append(mode) or "fallback")
+
+    def isolation(mode=None):              # a machine without Linux namespaces
+        asked.append(mode)
+        if mode == "namespaces":
+            raise sandbox.SandboxUnavailable("no user namespaces here")
+        return "fallback"
+
+    monkeypatch.setattr(sandbox, "isolation", isolation)
 
     def fake_batch(programs, timeout_s=5.0, **kw):
         batches.append(kw)
@@ -411,7 +418,7 @@ def test_eval_unsafe_sandbox_opts_in_to_the_fallback(tmp_path, capsys, monkeypat
                           "--gen-length", "32", "--block-length", "32", "--quiet",
                           "--out", str(tmp_path / "r.jsonl")], capsys)
     assert rc == 0, err
-    assert asked == ["fallback"]
+    assert asked[0] == "namespaces" and set(asked) == {"namespaces", "fallback"}   # the flag never lowers them
     assert all(kw == {"isolation": "fallback"} for kw in batches)     # every scored batch, when code was extracted
 
 
