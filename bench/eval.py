@@ -355,13 +355,11 @@ def _check_window(task, problems: list[dict], k: int, examples, encode, mc: Mode
         if (cfg.gen_length, cfg.block_length) in checked:
             continue
         checked.add((cfg.gen_length, cfg.block_length))
-        too_long = window_error(task, problems, k, examples, encode, mc.max_length, cfg.gen_length, cfg.block_length)
+        too_long = window_error(task, problems, k, examples, encode, mc.max_length, cfg.gen_length, cfg.block_length,
+                                "gen_length=" if "gen_length" in opts else "--gen-length ")  # what to change
         own = [f"{o}={opts[o]}" for o in ("gen_length", "block_length") if o in opts]
-        if too_long and own:                      # the spec's own setting, not --gen-length, is what to change
-            too_long = too_long.replace("--gen-length ", "gen_length=") if "gen_length" in opts else too_long
-            raise InputError(f"method {name}:{','.join(own)}: {too_long}")
         if too_long:
-            raise InputError(too_long)
+            raise InputError(f"method {name}:{','.join(own)}: {too_long}" if own else too_long)
 
 
 PLOT_FILES = ("pareto.png", "lookahead.png", "contribution.png", "figures.json")    # what bench.plots writes
@@ -450,8 +448,7 @@ def _few_shots(task, problems: list[dict], args, window: int):
         raise InputError(f"--few-shot {k}: the few-shot data holds only {len(shots)} examples")
     task.check(shots, "the few-shot data")
     evaluated = {normalize_prompt(p["prompt"]): p["id"] for p in problems}
-    leak = next(((s["id"], evaluated[normalize_prompt(s["prompt"])]) for s in shots
-                 if normalize_prompt(s["prompt"]) in evaluated), None)
+    leak = next(((s["id"], evaluated[n]) for s in shots if (n := normalize_prompt(s["prompt"])) in evaluated), None)
     if leak:                                        # its answer would be in every prompt
         raise InputError(f"--few-shot {k}: the few-shot example {leak[0]} is the evaluated problem {leak[1]} "
                          f"(its answer would be in the prompt); give --few-shot-data FILE with examples "

@@ -385,8 +385,7 @@ class PsdLM(LM):
 
     # ---------------------------------------------------------------- prompts
     def _context_ids(self, context: str) -> list[int]:
-        return self.tok.encode(self.tok.apply_chat_template(context), special=False) if self.chat else \
-            self.tok.encode(context)
+        return self.tok.encode(self.tok.apply_chat_template(context) if self.chat else context, special=not self.chat)
 
     def _fit(self, ids: list[int], room: int, req, what: str) -> list[int]:
         """`ids` if they fit in `room` tokens, else the truncate policy: an error or the last `room`."""

@@ -140,11 +140,8 @@ def _run(args) -> int:
 
     from .frontend import decoding_options
 
-    mc = ModelConfig.from_dir(args.model)
-    for name, value in mc.generation_defaults.items():   # the checkpoint's sizes where no flag gives them,
-        if getattr(args, name, False) is None:           # as engine.generate takes them
-            setattr(args, name, value)
-    options = {"gen_length": 128, "block_length": 32, **decoding_options(args, _policy_options())}
+    suggested = ModelConfig.from_dir(args.model).generation_defaults     # where no flag gives one, as engine.generate
+    options = {"gen_length": 128, "block_length": 32, **decoding_options(args, _policy_options(), suggested)}
     cfg = DecodeConfig(method=args.policy, **options).validate()
     if args.depth < 1:
         raise InputError(f"--depth must be >= 1, got {args.depth}")

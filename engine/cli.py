@@ -100,10 +100,8 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
     mc = ModelConfig.from_dir(model_dir)          # cheap checks before the weights are read
-    for name, value in mc.generation_defaults.items():   # the checkpoint's suggestion, if none given
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    dc = for_model(mc, DecodeConfig(method=args.method, **decoding_options(args))).validate()
+    given = decoding_options(args, suggested=mc.generation_defaults)     # the checkpoint's, if no flag
+    dc = for_model(mc, DecodeConfig(method=args.method, **given)).validate()
     tok = args.tokenizer = Tokenizer(model_dir)     # and the plain output's --top-logprobs lines
     from . import distributed
 

@@ -253,11 +253,14 @@ def add_decoding_flags(p: argparse.ArgumentParser, names=None) -> None:
                        metavar="PATH" if o.kind is DraftGraph else o.metavar)
 
 
-def decoding_options(args: argparse.Namespace, names=None) -> dict:
-    """The decoding options the user gave on the command line, parsed (a graph path is loaded)."""
+def decoding_options(args: argparse.Namespace, names=None, suggested: dict | None = None) -> dict:
+    """The decoding options the user gave on the command line, parsed (a graph path is loaded);
+    with `suggested` (a checkpoint's generation_config.json), its value where no flag gives one."""
     out = {}
     for o in OPTIONS.values():
         value = getattr(args, o.name, None)
+        if value is None and suggested:
+            value = suggested.get(o.name)
         if value is not None and (names is None or o.name in names):
             out[o.name] = o.parse(value) if o.kind is DraftGraph else value
     return out

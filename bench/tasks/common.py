@@ -446,12 +446,14 @@ def code_suite(build_program: Callable[[str, dict], str | None], fields: dict, t
 
 
 def window_error(task, problems: Sequence[dict], shots: int, examples: Callable[[int], list],
-                 encode: Callable[[str], list], window: int, gen_length: int, block_length: int) -> str | None:
+                 encode: Callable[[str], list], window: int, gen_length: int, block_length: int,
+                 gen_flag: str = "--gen-length ") -> str | None:
     """None if every prompt of ``problems`` (with the ``shots`` examples
     ``examples(shots)`` gives) plus ``gen_length`` fits the ``window``; else a one-line
     message naming the longest prompt and the setting that fits these problems:
     the most shots that fit with ``gen_length``, else zero shots and the longest
-    generation (a multiple of ``block_length``) that fits.
+    generation (a multiple of ``block_length``) that fits. ``gen_flag`` is how the message
+    writes the generation length (a method spec's own: ``gen_length=``).
 
     Prompts grow with the number of shots (a suite's k examples are the first k of its k + 1), so
     the most shots that fit are found by bisection, first on one problem (a cheap upper bound),
@@ -486,13 +488,13 @@ def window_error(task, problems: Sequence[dict], shots: int, examples: Callable[
     else:
         size = f"{first} tokens or more ({problems[0]['id']})"
     msg = (f"--task {task.NAME} does not fit the model's {window}-token window: the {what} of these "
-           f"{len(problems)} problems take {size}, plus --gen-length {gen_length}; ")
+           f"{len(problems)} problems take {size}, plus {gen_flag}{gen_length}; ")
     n0, pid0 = longest(0)
     if shots and n0 <= room:
         bound = most(0, shots - 1, lambda k: length(problems[0], k) <= room)
         return msg + f"use --few-shot {most(0, bound, lambda k: longest(k)[0] <= room)}, which fits"
     gen = (window - n0) // block_length * block_length
     if gen >= block_length:
-        return msg + ("use --few-shot 0 " if shots else "use ") + f"--gen-length {gen}, which fits"
+        return msg + ("use --few-shot 0 " if shots else "use ") + f"{gen_flag}{gen}, which fits"
     return msg + (f"no setting fits: the longest 0-shot prompt ({pid0}) alone takes {n0} tokens; "
                   "use a model with a longer window")

@@ -43,10 +43,15 @@ class ContinuousScheduler(Scheduler):
         try:
             self._serve(model, lives)
         except BaseException as e:        # the worker stops (the server reports it): no running job waits on it
-            for live in lives.values():
-                for j in live.jobs.values():
-                    j.push("error", stopped(e))
+            self._tell_all(lives, stopped(e))
             raise
+
+    @staticmethod
+    def _tell_all(lives: dict, error) -> None:
+        """Every job of every running batch gets `error` (the worker ends)."""
+        for live in lives.values():
+            for j in live.jobs.values():
+                j.push("error", error)
 
     def _serve(self, model, lives: dict) -> None:
         turn: collections.deque = collections.deque()
@@ -55,9 +60,7 @@ class ContinuousScheduler(Scheduler):
                 while not self.closing and not self.waiting and not lives:
                     self.cond.wait()
                 if self.closing:
-                    for live in lives.values():
-                        for j in live.jobs.values():
-                            j.push("error", shutting_down())
+                    self._tell_all(lives, shutting_down())
                     return
                 self._drop_cancelled(lives)          # first: a gone client's row is free for this admission
                 self._admit(model, lives, turn)
