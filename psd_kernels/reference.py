@@ -33,6 +33,34 @@ SCORES = ("prob", "margin", "entropy")
 
 
 # --------------------------------------------------------------------------------------------
+# out= buffers, checked alike by both backends (the Triton launchers import these: this module
+# imports no triton). Every op that takes out= accepts exactly the buffers it would allocate: the
+# results' shapes, dtypes and device, any strides, a pair where it returns a pair. One spec per
+# op (top1_out, rank_out, drafts_out, attention_out, check_moe_args), checked before any work.
+# --------------------------------------------------------------------------------------------
+def check_out(t, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``t`` itself when it is a ``dtype`` tensor of ``shape`` on ``device``; else ValueError."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"out buffer {name} must be a tensor")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"out buffer {name} must be {dtype} {tuple(shape)} on {device}, "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return t
+
+
+def check_out_pair(out, names: tuple[str, str]) -> None:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"out must be a pair ({names[0]}, {names[1]})")
+
+
+def out_pair(out, first: tuple, second: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out`` pair checked against ``first`` and ``second``, each ``(name, shape, dtype)``
+    of one result on ``device``; returned as a tuple of the caller's two tensors."""
+    check_out_pair(out, (first[0], second[0]))
+    return check_out(out[0], *first, device), check_out(out[1], *second, device)
+
+
+# --------------------------------------------------------------------------------------------
 # top-1 over the vocabulary
 # --------------------------------------------------------------------------------------------
 def check_top1_args(logits, exclude_id, score, temperature, noise) -> None:
@@ -56,6 +84,14 @@ def check_top1_args(logits, exclude_id, score, temperature, noise) -> None:
             raise ValueError("noise must be a floating-point tensor of Gumbel draws")
 
 
+def top1_out(out, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out=(ids, conf)`` of a ``top1`` call checked (both backends): int64 and float32
+    (float64 for float64 logits) tensors of the logits' leading shape, on their device."""
+    batch = tuple(logits.shape[:-1])
+    conf_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return out_pair(out, ("ids", batch, torch.int64), ("conf", batch, conf_dtype), logits.device)
+
+
 def top1(
     logits: torch.Tensor,
     exclude_id: int | None = None,
@@ -74,38 +110,50 @@ def top1(
                        ``margin``: top-1 minus top-2 probability; ``entropy``: sum p log p
                        (negative entropy). All math in float32 (float64 logits stay float64).
     ``exclude_id`` (the mask token) gets probability zero and is never chosen.
-    ``out=(ids, conf)`` receives the results. NaN logits give unspecified results.
+    A row with no token to choose (every logit -inf once ``exclude_id`` is; sampling: every
+    logits / T + noise -inf) gets conf -inf, below every confidence of every score (the engine
+    fails such a row: its confidence is not finite), and the id 0, or 1 when ``exclude_id`` is 0.
+    ``out=(ids, conf)`` receives the results: buffers of exactly the results' shapes, dtypes and
+    device (else ValueError, as on the Triton backend). NaN logits give unspecified results.
 
     Torch path: ONE float copy of the logits (the cast, with the excluded column set to -inf),
     max and argmax together in one pass (``torch.max``), then log-softmax IN PLACE into that
     copy and one gather: one tensor of the logits' size is written, against three (cast, clone,
     log-softmax) before. Fewer passes, same arithmetic: ids and confidences are bit-identical
-    to the cast/clone/log-softmax/argmax formulation.
+    to the cast/clone/log-softmax/argmax formulation (on rows with a token to choose).
     """
     check_top1_args(logits, exclude_id, score, temperature, noise)
+    if out is not None:
+        out = top1_out(out, logits)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(acc, copy=True)                      # our own copy: edited in place below
     if exclude_id is not None:
         x[..., exclude_id] = float("-inf")
-    if temperature > 0:
-        ids = torch.argmax(x / temperature + noise.to(acc), dim=-1)
-    else:
-        ids = torch.max(x, dim=-1).indices             # first index on ties, like argmax
+    # max and (first-index) argmax in one pass; the max says which rows have no token to choose
+    top, ids = torch.max(x / temperature + noise.to(acc) if temperature > 0 else x, dim=-1)
     logp = torch.log_softmax(x, dim=-1, out=x)         # in place: x is not read again
-    if score == "prob":
-        conf = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).exp()
-    elif score == "margin":
-        top2 = torch.topk(logp, min(2, logp.shape[-1]), dim=-1).values.exp()   # exp is monotone
-        conf = top2[..., 0] - (top2[..., 1] if top2.shape[-1] > 1 else 0.0)
-    else:
-        p = logp.exp()
-        conf = torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    conf = _top1_conf(logp, ids, score)
     conf = conf.to(torch.float32) if acc == torch.float32 else conf
+    none = torch.isneginf(top)                        # rows with no token to choose
+    conf.masked_fill_(none, float("-inf"))
+    if exclude_id == 0:                                # torch.max gave such rows the first index, 0
+        ids.masked_fill_(none, 1)
     if out is not None:
         out[0].copy_(ids)
         out[1].copy_(conf)
         return out
     return ids, conf
+
+
+def _top1_conf(logp: torch.Tensor, ids: torch.Tensor, score: str) -> torch.Tensor:
+    """The confidence ``score`` of the chosen ``ids`` from the log-probabilities ``logp`` [..., V]."""
+    if score == "prob":
+        return logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).exp()
+    if score == "margin":
+        top2 = torch.topk(logp, min(2, logp.shape[-1]), dim=-1).values.exp()   # exp is monotone
+        return top2[..., 0] - (top2[..., 1] if top2.shape[-1] > 1 else 0.0)
+    p = logp.exp()
+    return torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,6 +193,20 @@ def check_draft_args(block, masked, pred, conf, node_ranks) -> tuple[int, int, i
     return B, L, node_ranks.shape[0], node_ranks.shape[1]
 
 
+def rank_out(out, conf: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out=(name, n_masked)`` of ``rank_positions`` / ``position_ranks`` checked (both
+    backends): int64 [B, L] and int64 [B] on conf's device."""
+    B, L = conf.shape
+    return out_pair(out, (name, (B, L), torch.int64), ("n_masked", (B,), torch.int64), conf.device)
+
+
+def drafts_out(out, block: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out=(drafts, valid)`` of ``assemble_drafts`` checked (both backends): int64
+    [B, K, L] and bool [B, K] on block's device."""
+    B, L = block.shape
+    return out_pair(out, ("drafts", (B, K, L), torch.int64), ("valid", (B, K), torch.bool), block.device)
+
+
 def _position_ranks(conf: torch.Tensor, masked: torch.Tensor):
     """(order with unmasked positions last, rank of every position (-1 if unmasked), n_masked)."""
     B, L = conf.shape
@@ -171,10 +233,12 @@ def rank_positions(
     Returns ``order`` int64 [B, L] and ``n_masked`` int64 [B]: ``order[b, r]`` for
     ``r < n_masked[b]`` is the position holding rank ``r`` (confidence descending, lower position
     first on ties); ``order[b, r] = -1`` for ``r >= n_masked[b]``. Unmasked positions are never
-    ranked. ``out=(order, n_masked)`` receives the results. NaN confidences at masked positions
-    give unspecified ranks.
+    ranked. ``out=(order, n_masked)`` receives the results (buffers of exactly their shapes, dtypes
+    and device). NaN confidences at masked positions give unspecified ranks.
     """
     B, L = check_rank_args(conf, masked)
+    if out is not None:
+        out = rank_out(out, conf, "order")
     order_full, _, n_masked = _position_ranks(conf, masked)
     r = torch.arange(L, device=conf.device)
     order = torch.where(r < n_masked[:, None], order_full, torch.full_like(order_full, -1))
@@ -197,10 +261,12 @@ def position_ranks(
     position i is its rank in σ (confidence descending, lower position first on ties), so
     ``order[b, ranks[b, i]] == i`` for the ``order`` of ``rank_positions``, and the masked ranks
     of a row are a permutation of ``0..n_masked[b]-1``; ``ranks[b, i] = -1`` at unmasked
-    positions. ``out=(ranks, n_masked)`` receives the results. NaN confidences at masked
-    positions give unspecified ranks.
+    positions. ``out=(ranks, n_masked)`` receives the results (buffers of exactly their shapes,
+    dtypes and device). NaN confidences at masked positions give unspecified ranks.
     """
     check_rank_args(conf, masked)
+    if out is not None:
+        out = rank_out(out, conf, "ranks")
     _, ranks, n_masked = _position_ranks(conf, masked)
     if out is not None:
         out[0].copy_(ranks)
@@ -227,9 +293,11 @@ def assemble_drafts(
     Returns ``drafts`` int64 [B, K, L]: ``block`` with ``pred`` written at the position of every
     rank of node k, and ``valid`` bool [B, K]: every rank of node k is < the row's number of
     masked positions. Ranks beyond that write nothing; the engine skips invalid nodes.
-    ``out=(drafts, valid)`` receives the results.
+    ``out=(drafts, valid)`` receives the results (buffers of exactly their shapes, dtypes and device).
     """
     B, L, K, D = check_draft_args(block, masked, pred, conf, node_ranks)
+    if out is not None:
+        out = drafts_out(out, block, K)
     _, ranks, n_masked = _position_ranks(conf, masked)
     # hit[b, k, i]: position i holds one of node k's ranks. Unmasked positions have rank -1 and
     # must not match the -1 padding, hence the explicit `masked`.
@@ -374,6 +442,12 @@ def check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_m
     return K, H, L, D, Hkv, S, C
 
 
+def attention_out(out, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out=(out, lse)`` of ``shared_prefix_attention`` checked (both backends): q's
+    shape [R, H, L, D] and dtype, and float32 [R, H, L], on q's device."""
+    return out_pair(out, ("out", tuple(q.shape), q.dtype), ("lse", tuple(q.shape[:-1]), torch.float32), q.device)
+
+
 def _attend(q, k, v, scale, key_mask=None):
     """Softmax attention with materialised scores, returning (out, lse) in q's dtype; rows with
     no visible key give (0, -inf). The reference's fallback off CPU, and the test oracle's form."""
@@ -461,7 +535,8 @@ def shared_prefix_attention(
     own key j iff ``own_mask[r, i, j]`` (e.g. a causal block); a query that then sees no key at
     all gets out 0 and lse -inf. ``scale`` defaults to 1/sqrt(D).
     Returns ``out`` [R, H, L, D] in q's dtype and ``lse`` float32 [R, H, L], the natural
-    log-sum-exp of the scaled scores. ``out=(out, lse)`` receives the results.
+    log-sum-exp of the scaled scores. ``out=(out, lse)`` receives the results (buffers of exactly
+    their shapes, dtypes and device).
 
     The cache is never replicated per row. This torch version is the CPU path: math in float32
     (float64 inputs: float64), rounded once to q's dtype. On CPU the shared part is ONE fused SDPA
@@ -473,6 +548,8 @@ def shared_prefix_attention(
     """
     R, H, L, D, Hkv, S, C = check_attention_args(q, k_shared, v_shared, k_own, v_own, shared_mask, own_mask,
                                                  row_map)
+    if out is not None:
+        out = attention_out(out, q)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     G = H // Hkv
     # float32 math for 16-bit inputs (float64 stays float64): ONE rounding to q's dtype at the
@@ -574,9 +651,8 @@ def check_moe_args(x, w_gate, w_up, w_down, topk_ids, topk_weights, out=None) ->
         raise ValueError(f"topk_weights must be a floating-point tensor of shape {(T, k)}")
     if topk_ids.device != x.device or topk_weights.device != x.device:
         raise ValueError("topk_ids and topk_weights must be on the device of x")
-    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, H)
-                            or out.dtype != x.dtype or out.device != x.device):
-        raise ValueError(f"out must be a {x.dtype} tensor of shape {(T, H)} on {x.device}")
+    if out is not None:
+        check_out(out, "out", (T, H), x.dtype, x.device)
     return T, H, E, I, k
 
 
@@ -596,7 +672,8 @@ def moe(
     topk_weights float [T, k] (the caller normalises and scales them).
     Returns [T, H] in x's dtype:
     ``out[t] = Σ_j topk_weights[t, j] · w_down[e] @ (silu(w_gate[e] @ x[t]) * (w_up[e] @ x[t]))``
-    with ``e = topk_ids[t, j]``. ``out=`` receives the result.
+    with ``e = topk_ids[t, j]``. ``out=`` receives the result (a buffer of exactly its shape, dtype
+    and device).
 
     Math in float32 (float64 inputs: float64), rounded once to x's dtype. Grouped by expert:
     the T·k slots are sorted by expert and only the experts that received slots run, each as

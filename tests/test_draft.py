@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -156,7 +157,7 @@ def test_assemble_drafts_several_node_tiles_and_strides(device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_assemble_drafts_naive(backend, device):
     gen = torch.Generator().manual_seed(4)
-    B, L, K = 3, 9, 6
+    B, L = 3, 9
     block, masked, pred, conf = make_row_state(B, L, gen, "cpu", tie_levels=3)
     masked[2] = False  # a row with nothing left: only nodes without ranks are valid
     node_ranks = torch.tensor([[-1, -1, -1], [0, -1, -1], [0, 1, -1], [1, -1, -1], [0, 1, 2], [3, 8, -1]])
@@ -343,6 +344,63 @@ def test_triton_bad_out_buffers(device):
                                      torch.empty(2, 2, dtype=torch.bool, device=device)), backend="triton")
     with pytest.raises(ValueError, match="out must be a pair"):
         psd_kernels.rank_positions(conf, masked, torch.empty(2, 5, dtype=torch.int64, device=device), backend="triton")
+
+
+def _bad_outs(device):
+    """(op, its inputs, out, what the ValueError says) for out buffers the ops must refuse."""
+    block, masked, pred, conf = _state(device=device)                    # B = 2, L = 5
+    ranks = torch.tensor([[-1], [0], [1]], device=device)               # K = 3
+    i64 = dict(dtype=torch.int64, device=device)
+    n = torch.empty(2, **i64)
+    drafts, valid = torch.empty(2, 3, 5, **i64), torch.empty(2, 3, dtype=torch.bool, device=device)
+    rank_in, draft_in = (conf, masked), (block, masked, pred, conf, ranks)
+    rank = psd_kernels.rank_positions
+    pos = psd_kernels.position_ranks
+    draft = psd_kernels.assemble_drafts
+    return [
+        (rank, rank_in, (torch.empty(2, 5, dtype=torch.int32, device=device), n),
+         "out buffer order must be torch.int64 \\(2, 5\\)"),
+        (rank, rank_in, (torch.empty(2, 4, **i64), n), "out buffer order"),
+        (rank, rank_in, (torch.empty(2, 5, **i64), n.float()), "out buffer n_masked must be torch.int64"),
+        (rank, rank_in, (torch.empty(2, 5, **i64), torch.empty(2, device="meta", dtype=torch.int64)), "on meta"),
+        (rank, rank_in, torch.empty(2, 5, **i64), "out must be a pair \\(order, n_masked\\)"),
+        (pos, rank_in, (torch.empty(2, 5, dtype=torch.int32, device=device), n), "out buffer ranks must be"),
+        (pos, rank_in, (torch.empty(2, 5, **i64), n[:1]), "out buffer n_masked"),
+        (pos, rank_in, (n,), "out must be a pair \\(ranks, n_masked\\)"),
+        (draft, draft_in, (drafts[:, :2], valid), "out buffer drafts must be torch.int64 \\(2, 3, 5\\)"),
+        (draft, draft_in, (drafts.int(), valid), "out buffer drafts"),
+        (draft, draft_in, (drafts, valid.to(torch.uint8)), "out buffer valid must be torch.bool"),
+        (draft, draft_in, (drafts, "valid"), "out buffer valid must be a tensor"),
+        (draft, draft_in, [drafts], "out must be a pair \\(drafts, valid\\)"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_bad_out_buffers_fail_alike_on_both_backends(case, device):
+    """The reference checks out= as the Triton launchers do (it accepted e.g. an int32 order buffer
+    and wrote into it): the same ValueError, message included, on both backends."""
+    fn, args, out, match = _bad_outs(device)[case]
+    said = {}
+    for backend in BACKENDS:
+        with pytest.raises(ValueError) as e:
+            fn(*args, out, backend=backend)
+        said[backend] = str(e.value)
+    assert re.search(match, said["reference"]), said
+    assert len(set(said.values())) == 1, said
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_buffers_receive_the_results(backend, device):
+    block, masked, pred, conf = _state(device=device)
+    ranks = torch.tensor([[-1], [0], [1]], device=device)
+    for fn, args, shapes in ((psd_kernels.rank_positions, (conf, masked), ((2, 5), (2,))),
+                             (psd_kernels.position_ranks, (conf, masked), ((2, 5), (2,))),
+                             (psd_kernels.assemble_drafts, (block, masked, pred, conf, ranks), ((2, 3, 5), (2, 3)))):
+        want = getattr(reference, fn.__name__)(*args)
+        out = tuple(torch.full(s, -7, dtype=w.dtype, device=device) for s, w in zip(shapes, want))
+        got = fn(*args, out, backend=backend)
+        assert got[0] is out[0] and got[1] is out[1]
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
 
 
 def test_compiles_for_sm90(compile_check):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 
 import pytest
 import torch
@@ -555,6 +556,46 @@ def test_triton_bad_out(device):
     with pytest.raises(ValueError, match="out buffer lse"):
         psd_kernels.shared_prefix_attention(q, ks, vs, ko, vo, out=(torch.empty_like(q), torch.empty(2, 4, 3, 1, device=device)),
                                             backend="triton")
+
+
+def _bad_outs(device):
+    """(out, what the ValueError says) for out buffers of a [2, 4, 3, 8] float32 call that it must refuse."""
+    o, lse = torch.empty(2, 4, 3, 8, device=device), torch.empty(2, 4, 3, device=device)
+    return [
+        ((o, lse.double()), "out buffer lse must be torch.float32 \\(2, 4, 3\\)"),
+        ((o, lse[..., :1]), "out buffer lse"),
+        ((o.bfloat16(), lse), "out buffer out must be torch.float32 \\(2, 4, 3, 8\\)"),
+        ((o[..., :4], lse), "out buffer out"),
+        ((o, torch.empty(2, 4, 3, device="meta")), "out buffer lse .* on meta"),
+        ((None, lse), "out buffer out must be a tensor"),
+        (o, "out must be a pair \\(out, lse\\)"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_bad_out_buffers_fail_alike_on_both_backends(case, device):
+    """The reference checks out= as the Triton launcher does (it accepted e.g. a float64 lse):
+    the same ValueError, message included, on both backends."""
+    q, ks, vs, ko, vo = make_inputs(2, 4, 2, 3, 5, 8, torch.float32, torch.Generator().manual_seed(0), device)
+    out, match = _bad_outs(device)[case]
+    said = {}
+    for backend in BACKENDS:
+        with pytest.raises(ValueError) as e:
+            psd_kernels.shared_prefix_attention(q, ks, vs, ko, vo, out=out, backend=backend)
+        said[backend] = str(e.value)
+    assert re.search(match, said["reference"]), said
+    assert len(set(said.values())) == 1, said
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_buffers_receive_the_results(backend, device):
+    q, ks, vs, ko, vo = make_inputs(2, 4, 2, 3, 5, 8, torch.float32, torch.Generator().manual_seed(1), device)
+    o, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device=device)
+    got = psd_kernels.shared_prefix_attention(q, ks, vs, ko, vo, out=[o, lse], backend=backend)
+    assert got[0] is o and got[1] is lse
+    want = reference.shared_prefix_attention(q, ks, vs, ko, vo)
+    torch.testing.assert_close(o, want[0], **TOL[torch.float32])
+    torch.testing.assert_close(lse, want[1], **LSE_TOL)
 
 
 @pytest.mark.slow

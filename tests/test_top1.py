@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -307,6 +308,94 @@ def test_triton_rejects_float64_and_bad_out(device):
         psd_kernels.top1(torch.randn(2, 5, device=device), None, bad, backend="triton")
 
 
+def _error(fn, *args, **kw) -> str:
+    with pytest.raises(ValueError) as e:
+        fn(*args, **kw)
+    return str(e.value)
+
+
+def _bad_top1_outs(device):
+    """(logits, out, what the ValueError says) for out buffers that top1 must refuse."""
+    x, x64 = torch.randn(2, 5, device=device), torch.randn(2, 5, dtype=torch.float64, device=device)
+    ids, conf = torch.empty(2, dtype=torch.int64, device=device), torch.empty(2, device=device)
+    return [
+        (x, (ids.int(), conf), "out buffer ids must be torch.int64 \\(2,\\)"),
+        (x, (ids, conf.double()), "out buffer conf must be torch.float32 \\(2,\\)"),
+        (x, (ids, conf[:1]), "out buffer conf"),
+        (x, (ids[None], conf), "out buffer ids"),
+        (x, ([0, 0], conf), "out buffer ids must be a tensor"),
+        (x, (ids, torch.empty(2, device="meta")), "out buffer conf .* on meta"),
+        (x, ids, "out must be a pair \\(ids, conf\\)"),
+        (x, (ids, conf, conf), "out must be a pair"),
+        (x64, (ids, conf), "out buffer conf must be torch.float64"),    # float64 logits give float64 conf
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_bad_out_buffers_fail_alike_on_both_backends(case, device):
+    """The reference checks out= as the Triton launcher does (it accepted e.g. an int32 ids buffer):
+    the same ValueError, message included, on both backends, before any work."""
+    logits, out, match = _bad_top1_outs(device)[case]
+    said = {b: _error(psd_kernels.top1, logits, None, out, backend=b) for b in BACKENDS}
+    assert re.search(match, said["reference"]), said
+    assert len(set(said.values())) == 1, said
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_out_buffers_receive_the_results(backend, dtype, device):
+    x = make_logits((2, 3, 40), dtype, torch.Generator().manual_seed(6), device)
+    ids = torch.full((2, 3), -7, dtype=torch.int64, device=device)
+    conf = torch.full((2, 3), float("nan"), dtype=dtype, device=device)
+    got = psd_kernels.top1(x, 1, [ids, conf], backend=backend)
+    assert got[0] is ids and got[1] is conf
+    want = reference.top1(x, 1)
+    assert torch.equal(ids, want[0])
+    torch.testing.assert_close(conf, want[1], **TOL["prob"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("score", ["prob", "margin", "entropy"])
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize("exclude_id", [None, 0, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_row_with_no_token_to_choose(backend, score, sample, exclude_id, dtype, device, monkeypatch):
+    """The contract for a row where no token can be chosen (every logit -inf once exclude_id is;
+    sampling: every logit / T + noise -inf): conf -inf whatever the score, below every confidence
+    (the engine fails a row whose confidence is not finite, as it does for NaN/Inf model output),
+    and id 0, or 1 when 0 is the excluded id: never the excluded id. Both backends alike (they gave
+    inf/NaN/0 confidences, and the excluded id 0)."""
+    if backend == "triton":
+        monkeypatch.setattr(_ops(), "MAX_BLOCK_V", 128)       # three chunks, all -inf in the first rows
+    gen = torch.Generator().manual_seed(21)
+    V, inf = 300, float("inf")
+    x = make_logits((5, V), dtype, gen, device)
+    x[0] = -inf                                  # no finite logit
+    x[1] = -inf
+    x[1, 0] = 9.0                                # only id 0 is finite: nothing left when it is excluded
+    x[2] = -inf
+    x[2, 290] = 1.0                              # one finite logit, in the last chunk: an ordinary row
+    kw = dict(score=score)
+    if sample:
+        noise = gumbel((5, V), gen, device)
+        noise[3] = -inf                          # finite logits, but nothing a sample can take
+        kw.update(temperature=0.8, noise=noise)
+    ids, conf = psd_kernels.top1(x, exclude_id, backend=backend, **kw)
+    none = torch.tensor([True, exclude_id == 0, False, sample, False], device=device)
+    assert torch.equal(conf[none], torch.full_like(conf[none], -inf))
+    assert (ids[none] == (1 if exclude_id == 0 else 0)).all()
+    # the other rows as ever: the (sampled) argmax with the excluded id never chosen, a finite confidence
+    y = x.to(torch.float64 if dtype == torch.float64 else torch.float32, copy=True)   # the math's dtype
+    if exclude_id is not None:
+        y[:, exclude_id] = -inf
+    if sample:
+        y = y / 0.8 + noise.to(y.dtype)
+    assert torch.equal(ids[~none], y.argmax(-1)[~none])
+    assert torch.isfinite(conf[~none]).all()
+    if exclude_id is not None:
+        assert not (ids == exclude_id).any()
+
+
 def test_float64_logits_take_the_reference_path(device):
     gen = torch.Generator().manual_seed(4)
     x = make_logits((3, 40), torch.float64, gen, device)
@@ -336,12 +425,17 @@ def _python(code: str, **env) -> str:
 
 
 def test_reference_backend_never_imports_triton():
+    """Not even to check out= buffers (the checks it shares with the launchers live in reference.py)."""
     code = (
         "import sys, torch, psd_kernels\n"
         "psd_kernels.top1(torch.randn(3, 9), backend='reference')\n"
+        "try:\n"
+        "    psd_kernels.top1(torch.randn(3, 9), out=(torch.empty(3, dtype=torch.int32), torch.empty(3)))\n"
+        "except ValueError as e:\n"
+        "    print(str(e).split(' must')[0])\n"
         "print(psd_kernels.BACKEND, 'triton' in sys.modules)"
     )
-    assert _python(code, PSD_KERNELS_BACKEND="reference") == "reference False"
+    assert _python(code, PSD_KERNELS_BACKEND="reference").splitlines() == ["out buffer ids", "reference False"]
 
 
 def test_backend_env_override():

@@ -1,4 +1,5 @@
-"""Helpers shared by the launchers: interpreter detection, device checks, output buffers."""
+"""Helpers shared by the launchers: interpreter detection, device checks. (The ``out=`` buffer checks,
+shared with the reference backend, are in ``psd_kernels.reference``, which imports no triton.)"""
 from __future__ import annotations
 
 import torch
@@ -16,17 +17,3 @@ def check_device(*tensors: torch.Tensor | None) -> None:
     if not INTERPRET and any(d.type != "cuda" for d in devices):
         raise ValueError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1); use backend='reference' on CPU")
 
-
-def check_out(t, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"out buffer {name} must be a tensor")
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
-        raise ValueError(
-            f"out buffer {name} must be {dtype} {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
-        )
-    return t
-
-
-def check_out_pair(out, names: tuple[str, str]) -> None:
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise ValueError(f"out must be a pair ({names[0]}, {names[1]})")

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import check_draft_args, check_rank_args
-from ._common import check_device, check_out, check_out_pair
+from ..reference import check_draft_args, check_rank_args, drafts_out, rank_out
+from ._common import check_device
 
 
 @triton.jit
@@ -131,9 +131,7 @@ def _launch_ranking(kernel, name: str, conf: torch.Tensor, masked: torch.Tensor,
         result = torch.empty(B, L, dtype=torch.int64, device=conf.device)
         n_masked = torch.empty(B, dtype=torch.int64, device=conf.device)
     else:
-        check_out_pair(out, (name, "n_masked"))
-        result = check_out(out[0], name, (B, L), torch.int64, conf.device)
-        n_masked = check_out(out[1], "n_masked", (B,), torch.int64, conf.device)
+        result, n_masked = rank_out(out, conf, name)
     if B == 0:
         return result, n_masked
     if L == 0:
@@ -180,9 +178,7 @@ def assemble_drafts(
         drafts = torch.empty(B, K, L, dtype=torch.int64, device=block.device)
         valid = torch.empty(B, K, dtype=torch.bool, device=block.device)
     else:
-        check_out_pair(out, ("drafts", "valid"))
-        drafts = check_out(out[0], "drafts", (B, K, L), torch.int64, block.device)
-        valid = check_out(out[1], "valid", (B, K), torch.bool, block.device)
+        drafts, valid = drafts_out(out, block, K)
     if B == 0 or K == 0:
         return drafts, valid
     if L == 0:

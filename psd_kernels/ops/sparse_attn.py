@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import RowPlan, check_attention_args, plan_rows
-from ._common import INTERPRET, check_device, check_out, check_out_pair
+from ..reference import RowPlan, attention_out, check_attention_args, plan_rows
+from ._common import INTERPRET, check_device
 
 _LOG2E = 1.4426950408889634
 # cache rows scanned per step when a program looks for its tile (any C works; one step up to 64)
@@ -260,9 +260,7 @@ def _outputs(out, q: torch.Tensor, shape: tuple[int, int, int, int]) -> tuple[to
     if out is None:
         return (torch.empty(R, H, L, D, dtype=q.dtype, device=q.device),
                 torch.empty(R, H, L, dtype=torch.float32, device=q.device))
-    check_out_pair(out, ("out", "lse"))
-    return (check_out(out[0], "out", (R, H, L, D), q.dtype, q.device),
-            check_out(out[1], "lse", (R, H, L), torch.float32, q.device))
+    return attention_out(out, q)
 
 
 def _plan(row_map, R: int, C: int, device: torch.device) -> RowPlan:

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import SCORES, check_top1_args
-from ._common import INTERPRET, check_device, check_out, check_out_pair
+from ..reference import SCORES, check_top1_args, top1_out
+from ._common import INTERPRET, check_device
 
 _SCORE_CODE = {name: i for i, name in enumerate(SCORES)}  # prob 0, margin 1, entropy 2
 
@@ -102,6 +102,14 @@ def _top1_kernel(
         conf = (1.0 - tl.exp(m2 - m_ref)) / s
     else:
         conf = t / s - tl.log(s)
+    # No token to choose (every logit -inf once exclude_id is; sampling: every x / T + g): conf -inf,
+    # as the reference gives; `best` is still its initial 0, which must not be the excluded id.
+    if HAS_NOISE:
+        none = y_best == float("-inf")
+    else:
+        none = m == float("-inf")
+    conf = tl.where(none, float("-inf"), conf)
+    best = tl.where(none & (exclude_id == 0), 1, best)
     # NaN logits match no lane above; the clamp keeps even that unspecified id in the vocabulary
     best = tl.minimum(best, V - 1)
     tl.store(IDS + row, best.to(tl.int64))
@@ -152,9 +160,7 @@ def top1(
         ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
         conf = torch.empty(batch, dtype=torch.float32, device=logits.device)
     else:
-        check_out_pair(out, ("ids", "conf"))
-        ids = check_out(out[0], "ids", batch, torch.int64, logits.device)
-        conf = check_out(out[1], "conf", batch, torch.float32, logits.device)
+        ids, conf = top1_out(out, logits)
     ids_flat = ids.view(-1) if ids.is_contiguous() else torch.empty(N, dtype=torch.int64, device=logits.device)
     conf_flat = conf.view(-1) if conf.is_contiguous() else torch.empty(N, dtype=torch.float32, device=logits.device)
 
