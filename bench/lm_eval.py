@@ -46,6 +46,7 @@ import torch.nn.functional as F
 import engine
 from engine import DecodeConfig, Decoder, DraftGraph, InputError
 from engine.frontend import hub_id_hint, resolve_device
+from engine.uniform import for_model
 from models import CheckpointError, ModelConfig, Tokenizer, attention_mask, load_model, position_ids
 
 try:
@@ -292,7 +293,8 @@ class PsdLM(LM):
         m = _settings(args, harness)
         given = _decoding_options(args, options)
         model_dir = _checkpoint_dir(m["model"])
-        sizes = ModelConfig.from_dir(model_dir).generation_defaults
+        self.mc = ModelConfig.from_dir(model_dir)        # its config.json: the options are checked against it
+        sizes = self.mc.generation_defaults
         if "block_length" not in given and "block_length" in sizes:
             given["block_length"] = sizes["block_length"]
         self.explicit_gen_length: int | None = given.get("gen_length")
@@ -319,8 +321,9 @@ class PsdLM(LM):
         PsdLM.last = self
 
     def decode_config(self, gen_length: int) -> DecodeConfig:
-        """The validated DecodeConfig of a request group: the given options with this gen_length."""
-        return DecodeConfig(**{**self.options, "gen_length": gen_length}).validate()
+        """The validated DecodeConfig of a request group: the given options with this gen_length, as
+        the checkpoint's model decodes them (`engine.uniform.for_model`)."""
+        return for_model(self.mc, DecodeConfig(**{**self.options, "gen_length": gen_length}))
 
     @property
     def max_length(self) -> int:

@@ -218,7 +218,7 @@ def _graphed(dec) -> tuple[int, int]:
 def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen_length, block_length,
                    repeats, warmup, pbar) -> list[dict]:
     """Decode `prompts` with every method of `plan`, repeats interleaved in rotating order."""
-    decs = {e["label"]: Decoder(model, method_config(e["name"], e["opts"], gen_length=gen_length,
+    decs = {e["label"]: Decoder(model, method_config(e["name"], e["opts"], model.config, gen_length=gen_length,
                                                      block_length=block_length, cache=cache))
             for e in plan}
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -548,10 +548,10 @@ def _run(args, argv) -> int:
         bench_threads(args.threads)
         device = torch.device(resolve_device(args.device))
         return simulate.run(args, command, versions(), device, device_name(device))
-    _settle_model(args)
+    peeked = _settle_model(args)
     plan = [] if args.cost_curve else method_plan(args.methods or DEFAULT_METHODS)
     if not args.cost_curve:
-        _check_method_options(args, plan)
+        _check_method_options(args, plan, peeked)
     bench_threads(args.threads)
     device = torch.device(resolve_device(args.device))
     checked_gemm(args.gemm, device, args.dtype)
@@ -588,24 +588,28 @@ def _peek_config(args) -> ModelConfig | None:
         return None
 
 
-def _settle_model(args) -> None:
+def _settle_model(args) -> ModelConfig | None:
     """--block-length and --cache for the model (`settle_run`); a uniform-noise model's speed here
     is its call's cost (--cost-curve) or its projection (--simulate): its decodes run in
-    engine.generate and bench.eval, which count its calls."""
+    engine.generate and bench.eval, which count its calls. Returns the model's config (`_peek_config`)."""
     mc = _peek_config(args)
     settle_run(args, mc)
     if mc is not None and mc.mask_token_id is None and not args.cost_curve:
         raise InputError(f"bench.speed decodes masked models end to end; a {mc.family} model takes --cost-curve "
                          f"(its decoder call) or --simulate CARD (a projection); bench.eval and engine.generate "
                          f"decode it")
+    return mc
 
 
-def _check_method_options(args, plan) -> None:
-    """Every method's options at every gen length and cache mode, checked before any weight is read."""
+def _check_method_options(args, plan, mc: ModelConfig | None) -> None:
+    """Every method's options at every gen length and cache mode, checked before any weight is read,
+    against the model's config where it reads (`engine.uniform.for_model`: what the model decodes,
+    e.g. `--align auto` is `sequence` on a block-causal model, which takes any gen length); None: the
+    model's own error comes where it is read, before anything is measured."""
     for gl in args.gen_length:
         for cache in args.cache:
             for e in plan:
-                method_config(e["name"], e["opts"], gen_length=gl, block_length=args.block_length, cache=cache)
+                method_config(e["name"], e["opts"], mc, gen_length=gl, block_length=args.block_length, cache=cache)
 
 
 def _model_source(args, dtype: torch.dtype, device: torch.device, plan):

@@ -24,6 +24,7 @@ from .errors import InputError, read_user_text
 from .graph import DraftGraph
 from .loop import Decoder
 from .methods import METHODS, policy_methods
+from .uniform import for_model
 
 
 def record_reveal_sets(model, prompts: list[list[int]], config: DecodeConfig, depth: int, batch: int = 16) -> Counter:
@@ -140,9 +141,10 @@ def _run(args) -> int:
 
     from .frontend import decoding_options
 
-    suggested = ModelConfig.from_dir(args.model).generation_defaults     # where no flag gives one, as engine.generate
-    options = {"gen_length": 128, "block_length": 32, **decoding_options(args, _policy_options(), suggested)}
-    cfg = DecodeConfig(method=args.policy, **options).validate()
+    mc = ModelConfig.from_dir(args.model)          # its config.json: sizes and checks before the weights are read
+    options = {"gen_length": 128, "block_length": 32,
+               **decoding_options(args, _policy_options(), mc.generation_defaults)}    # as engine.generate
+    cfg = for_model(mc, DecodeConfig(method=args.policy, **options))
     if args.depth < 1:
         raise InputError(f"--depth must be >= 1, got {args.depth}")
     if args.nodes < 1:

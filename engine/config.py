@@ -113,9 +113,8 @@ class DecodeConfig:
         if top >= self.block_length * self.window_blocks:
             raise InputError(f"the draft graph names rank {top}, but a step ranks at most "
                              f"{self.block_length * self.window_blocks} positions (the block length)")
-        if self.gen_length % self.block_length and self.align != "sequence":
-            raise InputError(f"gen length {self.gen_length} is not a multiple of the block length {self.block_length} "
-                             f"(--align sequence takes any)")
+        if self.gen_length % self.block_length and self.align == "generation":    # auto: `for_model` (the model's)
+            raise InputError(self.unaligned())
         needs = self.spec.policy_class(self).score
         if needs is not None and self.given.get("score", needs) != needs:
             raise InputError(f"{self.policy_name if self.method == 'psd' else self.method} reads the {needs} score: "
@@ -138,6 +137,11 @@ class DecodeConfig:
     @property
     def num_blocks(self) -> int:
         return self.gen_length // self.block_length
+
+    def unaligned(self) -> str:
+        """The refusal of a gen length off the block grid where blocks start at the generation."""
+        return (f"gen length {self.gen_length} is not a multiple of the block length {self.block_length} "
+                f"(--align sequence takes any)")
 
     def aligned(self, mc) -> bool:
         """Blocks counted from each sequence's first token (`--align sequence`; auto: on block-causal

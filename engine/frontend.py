@@ -254,15 +254,24 @@ def add_decoding_flags(p: argparse.ArgumentParser, names=None) -> None:
 
 
 def decoding_options(args: argparse.Namespace, names=None, suggested: dict | None = None) -> dict:
-    """The decoding options the user gave on the command line, parsed (a graph path is loaded);
-    with `suggested` (a checkpoint's generation_config.json), its value where no flag gives one."""
-    out = {}
-    for o in OPTIONS.values():
-        value = getattr(args, o.name, None)
-        if value is None and suggested:
-            value = suggested.get(o.name)
-        if value is not None and (names is None or o.name in names):
-            out[o.name] = o.parse(value) if o.kind is DraftGraph else value
+    """The decoding options the user gave on the command line (all, or those of `names`), parsed (a
+    graph path is loaded); with `suggested` (a checkpoint's generation_config.json), its value where
+    no flag gives one (`with_suggestions`)."""
+    given = with_suggestions({o.name: getattr(args, o.name, None) for o in OPTIONS.values()}, suggested)
+    return {o.name: o.parse(given[o.name]) if o.kind is DraftGraph else given[o.name] for o in OPTIONS.values()
+            if o.name in given and (names is None or o.name in names)}
+
+
+def with_suggestions(options: dict, suggested: dict | None) -> dict:
+    """`options` (decoding options by name; None: not given, as `DecodeConfig` reads it) without the
+    ones not given, and the checkpoint's suggestion (`suggested`: its generation_config.json sizes,
+    `ModelConfig.generation_defaults`) for each option not given. The one way every front end
+    (engine.generate, engine.calibrate, engine.serve, the text API) applies a checkpoint's
+    suggestions: a value given always wins, whatever it is; a None is no value."""
+    out = {name: value for name, value in options.items() if value is not None}
+    for name, value in (suggested or {}).items():
+        if name not in out and value is not None:
+            out[name] = value
     return out
 
 

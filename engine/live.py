@@ -85,11 +85,15 @@ class LiveBatch:
     def add(self, prompt_ids, gen_length: int | None = None, seed: int | None = None) -> int:
         """Queue one sequence (token ids); it joins with the next step (at the next block boundary where
         `Decoder.can_join` says no). `seed`: its own sampling seed (`--sampler row`;
-        default the config's seed + its row). Checked now: an InputError for a bad prompt or length."""
+        default the config's seed + its row). Checked now: an InputError for a bad prompt or length.
+        A gen length is a positive multiple of the block length, or any where blocks are counted from
+        each sequence's start (`--align sequence`; auto on a block-causal model), as `generate` takes."""
         dc = self.dec.dc
         g = dc.gen_length if gen_length is None else gen_length
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g % dc.block_length:
-            raise InputError(f"gen length {g!r} must be a positive multiple of the block length {dc.block_length}")
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise InputError(f"gen length {g!r} must be a positive integer")
+        if g % dc.block_length and not dc.aligned(self.dec.mc):
+            raise InputError(dc.replace(gen_length=g).unaligned())
         ids = check_prompts(self.dec.mc, dc, [prompt_ids], gen_length=g)[0]
         handle = next(self._ids)
         self.waiting.append((handle, ids, g, seed))

@@ -12,9 +12,9 @@ Paths are used as given (a relative `model_dir` is relative to the current direc
 Python file API); the default is the shipped model, found next to the installed `models` package,
 so none of this depends on the current directory. Options are those of `engine.DecodeConfig`
 (`method=` and its keywords); a checkpoint's `generation_config.json` sizes (gen_length,
-block_length) apply where not given, as on the command line. Prompts are encoded exactly as
-given; `chat=True` wraps each in the checkpoint's chat template first. Bad input raises
-`engine.InputError` or `models.CheckpointError` (one-line messages).
+block_length) apply where not given (None: not given), as on the command line. Prompts are
+encoded exactly as given; `chat=True` wraps each in the checkpoint's chat template first. Bad
+input raises `engine.InputError` or `models.CheckpointError` (one-line messages).
 """
 from __future__ import annotations
 
@@ -72,10 +72,11 @@ class TextModel:
         """The validated `DecodeConfig` of `method` and `options`, with the checkpoint's
         generation_config.json sizes where `options` do not give them, as the model decodes it
         (`uniform.for_model`: a uniform-noise model's eb; no method: greedy, or that eb)."""
-        for name, value in self.config.generation_defaults.items():
-            options.setdefault(name, value)
+        from .frontend import with_suggestions
+
+        options = with_suggestions(options, self.config.generation_defaults)      # as on the command line
         dc = DecodeConfig(**options) if method is None else DecodeConfig(method=method, **options)
-        return for_model(self.config, dc).validate()
+        return for_model(self.config, dc)
 
     def encode(self, prompts, chat: bool = False) -> list[list[int]]:
         texts = [prompts] if isinstance(prompts, str) else prompts

@@ -92,12 +92,17 @@ def uniform_config(mc, dc):
 
 
 def for_model(mc, dc):
-    """The `DecodeConfig` the model `mc` decodes `dc` with (every front end calls this once the
-    model's config is known): `uniform_config` for a uniform-noise model; a masked model's is `dc`
-    itself, which takes none of the uniform-noise settings."""
+    """The validated `DecodeConfig` the model `mc` decodes `dc` with: the one check of a config
+    against the model, which every front end runs once the model's config is known (a checkpoint's
+    config.json, `ModelConfig.from_dir`, before its weights are read): `uniform_config` for a
+    uniform-noise model; a masked model's is `dc` itself, which takes none of the uniform-noise
+    settings and, where its blocks start at the generation (`--align generation`; `auto` on a model
+    that is not block-causal), a gen length that is a multiple of the block length."""
     if mc.mask_token_id is None:
-        return uniform_config(mc, dc)
+        return uniform_config(mc, dc).validate()
     refuse_settings(mc, dc)
+    if dc.validate().gen_length % dc.block_length and not dc.aligned(mc):
+        raise InputError(dc.unaligned())
     return dc
 
 

@@ -143,3 +143,33 @@ def test_the_commands_keep_freed_tensor_memory_for_the_next_call(env, kept):
                          cwd=Path(__file__).resolve().parent.parent, check=True).stdout
     returned = int(out.split()[-1])
     assert returned < 50 if kept else returned > 150, out
+
+
+# ---------------------------------------------------------------------- a checkpoint's suggestions
+def test_every_front_end_takes_the_checkpoints_suggestions_alike(tmp_path, capsys):
+    """generation_config.json's sizes apply where an option is not given, by one function
+    (`frontend.with_suggestions`) in engine.generate, engine.calibrate, engine.serve and the text
+    API. A None is no value there, as DecodeConfig reads it: the text API's `gen_length=None` took
+    the engine's default 128 (dict.setdefault kept the None) where engine.generate takes the
+    checkpoint's 16; a value given wins, whatever it is."""
+    import json
+
+    import engine
+    from engine.cli import main as generate_main
+    from engine.serve.cli import build_parser as serve_parser
+    from engine.serve.server import Server
+    from models.random_checkpoint import make_checkpoint
+
+    path, _ = make_checkpoint(tmp_path / "m", "llada", seed=1)
+    (path / "generation_config.json").write_text(json.dumps({"gen_length": 16, "block_length": 8}))
+    lm = engine.load(path, device="cpu")
+    sizes = lambda dc: (dc.gen_length, dc.block_length)      # noqa: E731
+    assert sizes(lm.decode_config()) == sizes(lm.decode_config(gen_length=None, block_length=None)) == (16, 8)
+    assert sizes(lm.decode_config(gen_length=24, block_length=4)) == (24, 4)
+    rc, out, err = run_main(generate_main, ["t5 t6 t7", "--model", str(path), "--json", "--threads", "1"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["token_ids"] == lm.results("t5 t6 t7", gen_length=None)[0].token_ids
+    server = Server(serve_parser().parse_args(["--model", str(path), "--block-length", "16"]))
+    assert (server.defaults["gen_length"], server.defaults["block_length"]) == (16, 16)
+    assert frontend.with_suggestions({"gen_length": None, "block_length": 32, "seed": None},
+                                     {"gen_length": 16, "block_length": 8}) == {"block_length": 32, "gen_length": 16}

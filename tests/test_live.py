@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import DecodeConfig, Decoder, InputError
+from engine import DecodeConfig, Decoder, InputError, generate
 from engine.live import LiveBatch
 from models import ModelConfig, init_random
 from support import run_live
@@ -237,6 +237,44 @@ def test_sequence_alignment_with_a_prompt_inside_one_block_on_shifted_models(fam
     assert [r.token_ids for r in dec.generate([short, long_])] == [r.token_ids for r in alone]
     done = run_live(dec, [short, long_], [(0, 16, 0), (1, 16, 2)]).done
     assert [done[0].token_ids, done[1].token_ids] == [r.token_ids for r in alone]
+
+
+# gen lengths off the block grid (L = 8): (prompt index, gen length, the step at which it is added)
+OFF_GRID = [(0, 13, 0), (1, 30, 2), (2, 5, 5), (3, 17, 6), (4, 24, 9)]
+OFF_GRID_CASES = [dict(method="confidence", threshold=0.5), dict(method="greedy", cache="dual"),
+                  dict(method="psd", policy_name="confidence", depth=3, cache="prefix")]
+
+
+def _decodes_as_alone(m, opts, schedule):
+    """Every sequence of `schedule` through a LiveBatch (its own gen length, joining mid-run) equals
+    the plain generate API on it alone."""
+    run = run_live(Decoder(m, DecodeConfig(gen_length=G, **opts)), PROMPTS, schedule, max_rows=3)
+    assert max(run.rows) >= 2
+    for i, g, _ in schedule:
+        alone, got = generate(m, [PROMPTS[i]], gen_length=g, **opts)[0], run.done[i]
+        assert (got.token_ids, got.calls, got.commit_call, got.commit_step) == \
+            (alone.token_ids, alone.calls, alone.commit_call, alone.commit_step), (i, g, opts)
+        assert 0 < got.tokens <= g and run.pieces.get(i, []) == got.token_ids
+
+
+@pytest.mark.parametrize("case", OFF_GRID_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_gen_lengths_off_the_block_grid_under_sequence_alignment(model, case):
+    """`--align sequence` takes any gen length in the plain API; `LiveBatch.add` refused one that is
+    no multiple of the block length. Each sequence now decodes as the plain API decodes it alone."""
+    _decodes_as_alone(model, dict(block_length=L, align="sequence", **case), OFF_GRID)
+
+
+def test_gen_lengths_off_the_block_grid_where_auto_is_sequence():
+    """On a block-causal model (llada2) `--align auto` is `sequence`: LiveBatch takes the gen lengths
+    the plain API takes there; on a bidirectional one it refuses them, as the plain API does."""
+    m = init_random(ModelConfig.tiny("llada2", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5, std=0.5)
+    _decodes_as_alone(m.double(), dict(block_length=L, **OFF_GRID_CASES[0]), OFF_GRID)
+    dense = init_random(ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62), seed=5)
+    live = LiveBatch(Decoder(dense, DecodeConfig(method="greedy", gen_length=16, block_length=L)))
+    with pytest.raises(InputError, match=r"gen length 13 is not a multiple of the block length 8 \(--align sequence"):
+        live.add([1, 2], gen_length=13)
+    with pytest.raises(InputError, match="gen length 0 must be a positive integer"):
+        live.add([1, 2], gen_length=0)
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

@@ -208,17 +208,25 @@ def test_auto_alignment_is_sequence_on_block_causal_models():
     assert gen[0].commit_block[:4] == [0, 0, 0, 0]
 
 
-def test_a_gen_length_off_the_block_grid_needs_align_sequence_even_where_auto_is_sequence():
-    """gen length 10 with blocks of 4: `--align sequence` takes it; `auto` (sequence on block-causal
-    llada2, but checked before the model is known) and `generation` are one error line naming the
-    flag that takes it (docs/algorithms.md §8)."""
+def test_auto_alignment_takes_any_gen_length_where_it_is_sequence():
+    """gen length 10 with blocks of 4: `auto` is `sequence` on block-causal llada2, which takes any
+    gen length (the config is checked against the model's, `engine.uniform.for_model`); `generation`,
+    and `auto` on a bidirectional model, are one error naming the flag that takes it
+    (docs/algorithms.md §8)."""
     model = tiny_llada2(4, seed=2)
     prompts = [prompt(random.Random(6), 5, model.config)]
     kw = dict(method="threshold", gen_length=10, block_length=4, threshold=0.3)
-    assert len(generate(model, prompts, align="sequence", **kw)[0].token_ids) <= 10
-    for align in ("auto", "generation"):
-        with pytest.raises(InputError, match="not a multiple of the block length 4 .--align sequence takes any"):
-            generate(model, prompts, align=align, **kw)
+    auto = generate(model, prompts, **kw)
+    assert auto[0].token_ids == generate(model, prompts, align="sequence", **kw)[0].token_ids
+    assert 1 < len(auto[0].token_ids) <= 10
+    with pytest.raises(InputError, match="not a multiple of the block length 4 .--align sequence takes any"):
+        generate(model, prompts, align="generation", **kw)
+    dense = init_random(ModelConfig.tiny("llada"), seed=0).eval()
+    with pytest.raises(InputError, match="not a multiple of the block length 4 .--align sequence takes any"):
+        generate(dense, [[5, 6, 7]], **kw)
+    with pytest.raises(InputError, match="not a multiple of the block length 4"):
+        DecodeConfig(align="generation", **kw).validate()         # no model needed to refuse that one
+    assert DecodeConfig(**kw).validate().gen_length == 10          # auto: the model's config decides
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from models import CheckpointError, ModelConfig, Tokenizer
 
-from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device
+from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device, with_suggestions
 from ..config import DecodeConfig
 from ..errors import InputError
 from ..uniform import check_batchable, for_model
@@ -43,8 +43,7 @@ class Server:
         problem = size_problem(opts, self.mc.max_length)
         if problem:
             raise InputError(f"{OPTIONS[problem[0]].flag}: {problem[1]}")
-        for name, value in self.mc.generation_defaults.items():   # the checkpoint's suggestion
-            opts.setdefault(name, value)
+        opts = with_suggestions(opts, self.mc.generation_defaults)     # the checkpoint's, where no flag gives one
         self.defaults = {"method": args.method or ("eb" if self.uniform else "greedy"), **opts}
         self._check_flags(for_model(self.mc, DecodeConfig(**self.defaults)).validate())   # fails before it starts
         self.status, self.error = "loading", None
