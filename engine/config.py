@@ -217,14 +217,13 @@ def text_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
     return ids
 
 
-def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | None = None) -> list[list[int]]:
+def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | list[int] | None = None) -> list[list[int]]:
     """Validate a batch of prompts (token-id lists) against a model config, each to be followed by
-    `gen_length` generated positions (default the config's); returns int lists."""
-    gen_length = dc.gen_length if gen_length is None else gen_length
+    `gen_length` generated positions (default the config's; a list: one per prompt); returns int lists."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise InputError("prompts must be a non-empty list of token-id lists")
     out = []
-    for n, p in enumerate(prompts):
+    for n, (p, gen_length) in enumerate(zip(prompts, _gen_lengths(mc, dc, gen_length, len(prompts)))):
         if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
             raise InputError(f"prompt {n} is not a list of token ids")
         try:     # operator.index: ints (and integer numpy/torch scalars), never floats or bools
@@ -244,6 +243,27 @@ def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | None = None) 
         dc.spec.policy_class(dc).validate_request(dc, ids, gen_length)      # the policy's own word on it
         out.append(ids)
     return out
+
+
+def _gen_lengths(mc, dc: DecodeConfig, given, n: int) -> list[int]:
+    """The checked gen length of each of `n` prompts: `given` None (the config's), one int, or one per prompt."""
+    if given is None:
+        return [dc.gen_length] * n
+    if isinstance(given, (list, tuple)):
+        if len(given) != n:
+            raise InputError(f"{len(given)} gen lengths for {n} prompts")
+        return [check_gen_length(mc, dc, g) for g in given]
+    return [check_gen_length(mc, dc, given)] * n
+
+
+def check_gen_length(mc, dc: DecodeConfig, g) -> int:
+    """`g` if it is a gen length `dc` decodes on model `mc`: a positive integer, a multiple of the
+    block length where blocks start at the generation (`dc.aligned`); else InputError."""
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise InputError(f"gen length {g!r} must be a positive integer")
+    if g % dc.block_length and not dc.aligned(mc):
+        raise InputError(dc.replace(gen_length=g).unaligned())
+    return g
 
 
 def _no_bool(n: int):

@@ -27,6 +27,10 @@ class CostModel:
     n (through the last point) beyond them."""
 
     def __init__(self, canvases, ms, source: str = "given"):
+        canvases, ms = list(canvases), list(ms)
+        if len(canvases) != len(ms):
+            raise InputError(f"a cost model needs one ms per canvas count; got {len(canvases)} canvas counts and "
+                             f"{len(ms)} times")
         pts = sorted(zip(canvases, ms))
         if not pts or any(n < 1 or not (t > 0 and math.isfinite(t)) for n, t in pts):
             raise InputError(f"a cost model needs points (canvases >= 1, ms > 0); got {list(zip(canvases, ms))}")

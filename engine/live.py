@@ -90,11 +90,7 @@ class LiveBatch:
         each sequence's start (`--align sequence`; auto on a block-causal model), as `generate` takes."""
         dc = self.dec.dc
         g = dc.gen_length if gen_length is None else gen_length
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise InputError(f"gen length {g!r} must be a positive integer")
-        if g % dc.block_length and not dc.aligned(self.dec.mc):
-            raise InputError(dc.replace(gen_length=g).unaligned())
-        ids = check_prompts(self.dec.mc, dc, [prompt_ids], gen_length=g)[0]
+        ids = check_prompts(self.dec.mc, dc, [prompt_ids], gen_length=g)[0]       # and the gen length
         handle = next(self._ids)
         self.waiting.append((handle, ids, g, seed))
         return handle

@@ -19,6 +19,7 @@ a call); never one value per position, draft or node.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import shutil
 import time
 
@@ -54,6 +55,7 @@ class Decoder:
         every block position in σ [A, W] (masked positions first) and the predictions [A, W]
         drafts would use (offline tools such as graph calibration; it may sync freely).
         `cost_model` (engine.cost.CostModel) fixes the call cost `--draft-budget auto` plans with."""
+        _check_config(config)
         self.trace = trace
         self.model = model
         self.mc = model.config
@@ -322,11 +324,14 @@ class Decoder:
         done; joins ride on the next call; leaves are at once (docs/loop.md, "Rolling rows")."""
         if rolling:
             self.require_rolls()
-        checked = [check_prompts(self.mc, self.dc, [p], gen_length=g)[0] for p, g in zip(prompts, gen_lengths)] \
-            if gen_lengths else self.check_prompts(prompts)
+        if gen_lengths is not None and not isinstance(gen_lengths, (list, tuple)):
+            raise InputError(f"gen_lengths must be a list (one gen length per prompt), got "
+                             f"{type(gen_lengths).__name__}")
+        checked = check_prompts(self.mc, self.dc, prompts, gen_length=gen_lengths)   # one per prompt, or None
         if seeds is not None and len(seeds) != len(prompts):
             raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        return BatchState(self._new_batch(checked, gen_lengths, seeds), live=live, rolling=rolling,
+        lengths = None if gen_lengths is None else list(gen_lengths)
+        return BatchState(self._new_batch(checked, lengths, seeds), live=live, rolling=rolling,
                           t0=time.perf_counter(), sent=[0] * len(checked))
 
     def step(self, state: BatchState) -> StepOutput:
@@ -590,6 +595,7 @@ class Decoder:
         settled) — unless `now` (where `drops_at_once`) or the batch rolls: then they are dropped at
         once too, the others renumbered in order (with a cache their cache rows stay behind, unused,
         until the block closes)."""
+        rows = _batch_rows(state, rows)
         state.version += 1
         if state.run is not None and not rows:
             return
@@ -611,7 +617,8 @@ class Decoder:
     def results(self, state: BatchState, rows=None, seconds=None) -> list[SequenceResult]:
         """The `SequenceResult`s of the batch's rows (all, or `rows`), from what is settled."""
         secs = time.perf_counter() - state.t0 if seconds is None else seconds
-        return collect_results(state.batch, self.dc.block_length, secs, rows=rows)
+        return collect_results(state.batch, self.dc.block_length, secs, rows=None if rows is None else
+                               _batch_rows(state, rows))
 
     def stream(self, prompts, seeds: list | None = None):
         """Decode like `generate`, yielding a `StreamUpdate` after every model call: per sequence,
@@ -639,7 +646,32 @@ class Decoder:
         return self.results(state)
 
 
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise InputError(f"config must be an engine.DecodeConfig (or None), got {type(config).__name__}; "
+                         f"options go as keywords: generate(model, prompts, method=..., ...)")
+
+
+def _batch_rows(state: BatchState, rows) -> list[int]:
+    """`rows` as ints, each a row of `state`'s batch (0 .. B-1, no negative index); else InputError."""
+    n = 0 if state.batch is None else state.batch.x.shape[0]
+    try:
+        out = [operator.index(r) for r in rows if not isinstance(r, bool) or _bad_row(r, n)]
+    except TypeError:
+        raise InputError(f"rows must be a list of batch row indices, got {rows!r}") from None
+    for r in out:
+        if not 0 <= r < n:
+            _bad_row(r, n)
+    return out
+
+
+def _bad_row(r, n: int):
+    raise InputError(f"row {r!r} is not a row of this batch (its rows are 0 to {n - 1})" if n else
+                     f"row {r!r} is not a row of this batch (it has none left)")
+
+
 def generate(model: Transformer, prompts, config: DecodeConfig | None = None, **options) -> list[SequenceResult]:
     """Decode a batch of prompts (lists of token ids); `options` override those of `config`."""
+    _check_config(config)
     cfg = DecodeConfig(**options) if config is None else config.replace(**options) if options else config
     return Decoder(model, cfg).generate(prompts)

@@ -55,17 +55,48 @@ class Method:
 
 
 METHODS: dict[str, Method] = {}
+_ABSENT = object()
+# method name -> {option name: what the option table held there before that method's policy declared
+# it (an Option it replaced, or _ABSENT)}: what `unregister` puts back
+_DECLARED: dict[str, dict[str, object]] = {}
+
+
+def _uses(method: Method, option: str) -> bool:
+    pol = method.policy
+    return option in method.options or pol is not None and (
+        option in pol.params or any(o.name == option for o in getattr(pol, "declares", ())))
+
+
+def _restore(before: dict[str, object]) -> None:
+    """Put the option table back as `before` says (name -> the Option it held, or _ABSENT)."""
+    for name, old in before.items():
+        if old is _ABSENT:
+            OPTIONS.pop(name, None)
+        else:
+            OPTIONS[name] = old
 
 
 def register(method: Method) -> Method:
     """Add a method to the table, with the new options its policy declares; every option it
-    names must then exist in the option table."""
+    names must then exist in the option table (else ValueError, and the table is as it was)."""
+    if not isinstance(method, Method):
+        raise TypeError(f"register takes an engine.Method, got {type(method).__name__}")
+    before: dict[str, object] = {}
     for option in getattr(method.policy, "declares", ()):
-        register_option(option)
+        if OPTIONS.get(option.name, _ABSENT) is not option:
+            before.setdefault(option.name, OPTIONS.get(option.name, _ABSENT))
+            try:
+                register_option(option)
+            except BaseException:
+                _restore(before)
+                raise
     pol_opts = tuple(method.policy.params) if method.policy is not None else ()
     missing = [o for o in method.options + pol_opts if o not in OPTIONS]
     if missing:
+        _restore(before)
         raise ValueError(f"method {method.name!r} names unknown options {missing}")
+    declared = _DECLARED.get(method.name, {}) if method.name in METHODS else {}
+    _DECLARED[method.name] = {**before, **declared}       # a re-registration keeps the first state
     METHODS[method.name] = method
     if method.is_policy and method.name not in POLICY_NAMES:
         POLICY_NAMES.append(method.name)
@@ -75,10 +106,18 @@ def register(method: Method) -> Method:
 
 
 def unregister(name: str) -> Method:
-    """Remove a method from the table (the options its policy declared stay registered)."""
+    """Remove a method from the table, and the options its policy declared: an option it added goes
+    (unless a method still registered takes it), one it replaced is put back as it was."""
+    method = METHODS.pop(name)
     if name in POLICY_NAMES:
         POLICY_NAMES.remove(name)
-    return METHODS.pop(name)
+    for option, old in _DECLARED.pop(name, {}).items():
+        heir = next((m for m in METHODS.values() if _uses(m, option)), None) if old is _ABSENT else None
+        if heir is not None:               # still taken: it goes with the last method that takes it
+            _DECLARED.setdefault(heir.name, {}).setdefault(option, old)
+        else:
+            _restore({option: old})
+    return method
 
 
 def policy_methods() -> tuple[str, ...]:

@@ -77,6 +77,9 @@ def check_top1_args(logits, exclude_id, score, temperature, noise) -> None:
             raise ValueError(f"exclude_id {exclude_id} outside vocabulary of size {V}")
         if V == 1:
             raise ValueError("exclude_id removes the only token of a vocabulary of size 1")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
+            not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: argmax), got {temperature!r}")
     if temperature > 0:
         if noise is None or noise.shape != logits.shape:
             raise ValueError("temperature > 0 needs Gumbel noise with the logits' shape")

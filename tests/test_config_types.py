@@ -38,7 +38,7 @@ def spread():
     register(Method("spread", "toy: a share of the masked positions", Spread, is_policy=True))
     yield before
     unregister("spread")
-    OPTIONS.pop("spread")
+    assert "spread" not in OPTIONS          # unregister takes the options its policy declared
 
 
 def test_a_plugin_option_is_a_typed_field(spread):

@@ -48,7 +48,7 @@ def toy():
     register(Method("topfrac", "toy: a fixed share of the masked positions", TopFraction, is_policy=True))
     yield
     unregister("topfrac")
-    OPTIONS.pop("frac")
+    assert "frac" not in OPTIONS          # unregister takes the options its policy declared
 
 
 class TestTopFractionKeepsEveryContract(PolicyContract):

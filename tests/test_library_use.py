@@ -1,0 +1,156 @@
+"""The engine embedded as a library: a bad argument to a public call is one clear error (never a
+silently shorter batch, an ignored row or a torch error), and registering a method for a while
+leaves the tables as they were once it is unregistered."""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import psd_kernels
+from engine import DecodeConfig, Decoder, InputError, Method, Option, generate, register, unregister
+from engine.cost import CostModel
+from engine.methods import METHODS
+from engine.options import OPTIONS, POLICY_NAMES
+from engine.policies import Confidence
+from models import ModelConfig, init_random
+
+PROMPTS = [[5, 6, 7], [8, 9]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.tiny("llada", vocab_size=64, mask_token_id=63, eos_token_id=62)
+    return init_random(cfg, seed=3, std=0.5)
+
+
+@pytest.fixture
+def dec(model):
+    return Decoder(model, DecodeConfig(gen_length=8, block_length=8))
+
+
+@pytest.mark.parametrize("lengths, message", [
+    ([8], "1 gen lengths for 2 prompts"),                  # was: the second prompt silently dropped
+    ([8, 8, 8], "3 gen lengths for 2 prompts"),
+    ([0, 8], "gen length 0 must be a positive integer"),   # was: accepted, an empty generation
+    ([-8, 8], "gen length -8 must be a positive integer"),  # was: a torch RuntimeError
+    ([True, 8], "gen length True must be a positive integer"),
+    ([8.0, 8], "gen length 8.0 must be a positive integer"),
+    ([5, 8], "gen length 5 is not a multiple of the block length 8"),   # as LiveBatch.add refuses it
+    (8, "gen_lengths must be a list"),
+])
+def test_start_and_join_check_each_gen_length(dec, lengths, message):
+    with pytest.raises(InputError, match=message):
+        dec.start(PROMPTS, gen_lengths=lengths)
+    state = dec.start([[1, 2]], live=True)
+    with pytest.raises(InputError, match=message):
+        dec.join(state, PROMPTS, lengths)
+    assert state.batch.x.shape[0] == 1
+
+
+def test_start_names_the_prompt_at_fault_with_gen_lengths(dec):
+    with pytest.raises(InputError, match="prompt 1 holds a token id outside the vocabulary"):
+        dec.start([[1], [99]], gen_lengths=[8, 8])
+
+
+@pytest.mark.parametrize("rows", [[2], [-1], ["0"], [True]], ids=str)
+def test_leave_and_results_refuse_rows_the_batch_does_not_have(dec, rows):
+    state = dec.start(PROMPTS)
+    dec.step(state)                          # inside the open block
+    with pytest.raises(InputError, match="row"):
+        dec.leave(state, rows)               # was: silently ignored (-1: not the last row)
+    with pytest.raises(InputError, match="row"):
+        dec.results(state, rows=rows)
+    while not state.done:
+        dec.step(state)
+    assert [r.token_ids for r in dec.results(state)] == [r.token_ids for r in dec.generate(PROMPTS)]
+    dec.leave(state, [0, 1])
+    with pytest.raises(InputError, match="it has none left"):
+        dec.leave(state, [0])
+
+
+def test_a_config_that_is_not_a_decodeconfig_is_an_input_error(model):
+    with pytest.raises(InputError, match="config must be an engine.DecodeConfig"):
+        generate(model, PROMPTS, "confidence")
+    with pytest.raises(InputError, match="config must be an engine.DecodeConfig"):
+        Decoder(model, {"method": "greedy"})
+
+
+def test_a_cost_model_needs_one_time_per_canvas_count():
+    with pytest.raises(InputError, match="one ms per canvas count"):
+        CostModel([1, 2, 4], [1.0, 2.0])     # was: the last point silently dropped
+    assert CostModel((n for n in (1, 2)), [1.0, 2.0]).ms(2) == 2.0
+
+
+@pytest.mark.parametrize("temperature", [-1.0, float("nan"), float("inf"), "1"], ids=str)
+def test_top1_refuses_a_temperature_it_cannot_sample_at(temperature):
+    logits = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        psd_kernels.top1(logits, temperature=temperature, noise=torch.rand(2, 16))   # -1 was greedy, silently
+
+
+# ------------------------------------------------------------------ register / unregister leave no trace
+@dataclass(frozen=True)
+class Share(Confidence):
+    share: float = 0.5
+    name = "share"
+    params = {**Confidence.params, "share": "share"}
+    declares = (Option("share", float, "a toy parameter"),)
+
+
+@dataclass(frozen=True)
+class AnyThreshold(Confidence):
+    name = "anythreshold"
+    declares = (Option("threshold", float, "any threshold at all"),)
+
+
+@dataclass(frozen=True)
+class Broken(Confidence):
+    name = "broken"
+    params = {**Confidence.params, "nowhere": "nowhere"}
+    declares = (Option("orphan", float, "declared, but the policy also names an option nobody declares"),)
+
+
+def _tables():
+    return dict(METHODS), dict(OPTIONS), list(POLICY_NAMES), dict(typing.get_type_hints(DecodeConfig))
+
+
+def test_unregister_takes_the_options_its_policy_declared():
+    before = _tables()
+    register(Method("share", "toy", Share, is_policy=True))
+    assert DecodeConfig("share", share=0.25).validate().policy().share == 0.25
+    unregister("share")
+    assert _tables() == before                         # was: `share` stayed an option and a DecodeConfig field
+    with pytest.raises(InputError, match="unknown decoding option 'share'"):
+        DecodeConfig(share=0.25)
+
+
+def test_an_option_another_method_still_takes_stays_until_that_one_goes():
+    before = _tables()
+    register(Method("share", "toy", Share, is_policy=True))
+    register(Method("share2", "the same policy again", Share))
+    unregister("share")
+    assert "share" in OPTIONS and DecodeConfig("share2", share=0.5).validate()
+    unregister("share2")
+    assert _tables() == before
+
+
+def test_unregister_puts_back_an_option_the_policy_replaced():
+    before, threshold = _tables(), OPTIONS["threshold"]
+    register(Method("anythreshold", "confidence with any threshold", AnyThreshold, is_policy=True))
+    DecodeConfig("confidence", threshold=5.0).validate()          # the replaced option has no range
+    unregister("anythreshold")
+    assert OPTIONS["threshold"] is threshold and _tables() == before
+    with pytest.raises(InputError, match="threshold 5.0 is outside"):     # was: still any threshold
+        DecodeConfig("confidence", threshold=5.0).validate()
+
+
+def test_a_refused_registration_leaves_the_tables_as_they_were():
+    before = _tables()
+    with pytest.raises(ValueError, match="unknown options"):
+        register(Method("broken", "names an option nobody declares", Broken))
+    assert _tables() == before                         # was: `orphan` registered all the same
+    with pytest.raises(TypeError, match="register takes an engine.Method"):
+        register("broken")
