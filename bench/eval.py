@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     add_gemm_flag(p)
     add_threads_flag(p)
     p.add_argument("--out", help="per-problem JSONL, written as each method finishes "
-                                 "(default: a fresh runs/eval-<task>-<time>/results.jsonl)")
+                                 "(default: a fresh runs/eval-<task>-<time>-<pid>/results.jsonl)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file and --plot figures")
     p.add_argument("--plot", help="directory for the PNG figures")
     p.add_argument("--unsafe-sandbox", action="store_true",
@@ -192,21 +192,73 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (a bar at a terminal, else a line "
                                                          "every 30 s, $PSD_PROGRESS_SECONDS)")
     args = p.parse_args(argv)
+    ending = _Ending()
     try:
-        return guarded(_run, args, errors=(FileNotFoundError, ValueError))
+        return guarded(_run, args, ending, errors=(FileNotFoundError, ValueError))
+    except _Stopped as e:                  # rank 0 failed where every rank learnt of it
+        if e.message is not None:
+            print(f"error: {e.message}", file=sys.stderr)
+        return e.code
     finally:
-        _shutdown()
+        _shutdown(ending.together)
 
 
-def _shutdown() -> None:
-    """Under torchrun: every rank waits for rank 0 to finish writing, then the process group is
-    torn down before the interpreter exits (a rank that exits with a live gloo group can abort
-    with "terminate called without an active exception" and fail the whole launch)."""
+class _Ending:
+    """How this rank's run ends under torchrun: `together` once every rank is sure to end at the
+    same point (each went through every collective, or rank 0 stopped them all: `_Stopped`)."""
+
+    together = False
+
+
+class _Stopped(Exception):
+    """Rank 0 failed and told every rank at the same point (`_from_rank0`): `message` is its
+    `error:` line (rank 0 only; the others say nothing), `code` this rank's exit status."""
+
+    def __init__(self, code: int, message: str | None = None):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _shutdown(together: bool) -> None:
+    """Under torchrun: where every rank ends together (`_Ending`) each waits for the others (rank 0
+    writing its report), then the process group is torn down before the interpreter exits (a rank
+    that exits with a live gloo group can abort with "terminate called without an active
+    exception" and fail the whole launch). A rank that failed alone waits for no one: the others
+    may be in a collective it will never join (torchrun then stops them)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+def _from_rank0(rank: int, world: int, ending: _Ending, fn, others: int = 2):
+    """`fn()` run on rank 0 alone (rank 0 checks and writes the outputs), its value handed to every
+    rank. Where it fails, every rank stops here, none left waiting in a collective: an InputError is
+    rank 0's one `error:` line and exit status 2, the other ranks end with status `others`, saying
+    nothing; any other exception is raised on rank 0 (a traceback) and ends the others with status 1."""
+    if world == 1:
+        return fn()
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        try:
+            box = [("ok", fn())]
+        except InputError as e:
+            ending.together = True
+            dist.broadcast_object_list([("error", None)], src=0)
+            raise _Stopped(2, str(e)) from None
+        except BaseException:
+            dist.broadcast_object_list([("crash", None)], src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "ok":
+        return value
+    ending.together = kind == "error"
+    raise _Stopped(others if kind == "error" else 1)
 
 
 def merge_plot_data(parts):
@@ -234,7 +286,14 @@ def _writable_dir(path: Path, what: str) -> None:
         raise InputError(f"{what} {path}: the directory is not writable")
 
 
-def _output_file(args, rank: int) -> Path:
+def _outputs(args) -> Path:
+    """Rank 0's outputs, checked before any decoding: --plot's directory, then the results file."""
+    if args.plot:
+        _plot_dir(args)
+    return _output_file(args)
+
+
+def _output_file(args) -> Path:
     """The per-problem JSONL: --out, or a fresh run directory under runs/ (never the committed
     bench/results/, which only bench/reproduce_results.sh writes, with --out and --overwrite).
     An existing file is replaced only with --overwrite; it is created (empty) now, so an
@@ -244,12 +303,13 @@ def _output_file(args, rank: int) -> Path:
         out = RUNS.resolve() / f"eval-{args.task}-{stamp}-{os.getpid()}" / "results.jsonl"
     else:
         out = Path(args.out)
-    if rank != 0:
-        return out
-    if out.is_dir():
-        raise InputError(f"--out {out} is a directory; give a file path")
-    if out.exists() and out.stat().st_size and not args.overwrite:
-        raise InputError(f"--out {out} exists; pass --overwrite to replace it")
+    try:
+        if out.is_dir():
+            raise InputError(f"--out {out} is a directory; give a file path")
+        if out.exists() and out.stat().st_size and not args.overwrite:
+            raise InputError(f"--out {out} exists; pass --overwrite to replace it")
+    except OSError as e:                   # a directory on the way that cannot be searched
+        raise InputError(f"--out {out}: cannot reach the file ({e.strerror})") from None
     _writable_dir(out.parent, "--out")
     try:
         out.write_text("", encoding="utf-8")
@@ -307,7 +367,7 @@ def _load_problems(task, path, limit, source: str) -> list[dict]:
     return problems
 
 
-def _run(args) -> int:
+def _run(args, ending: _Ending) -> int:
     rank, world = _dist()
     task = get_task(args.task)
     _check_counts(args)
@@ -324,9 +384,8 @@ def _run(args) -> int:
     _check_window(task, problems, k, examples, tok.encode, mc, specs, args)
     if getattr(task, "RUNS_CODE", False):           # generated code will run: is the sandbox usable here?
         check_sandbox(sandbox_mode(args))
-    if args.plot and rank == 0:                     # outputs are checked writable before any decoding
-        _plot_dir(args)
-    out = _output_file(args, rank)
+    # the outputs (rank 0's) are checked writable before any decoding, a failure every rank's
+    out = _from_rank0(rank, world, ending, lambda: _outputs(args))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if world > 1 and device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
@@ -334,7 +393,8 @@ def _run(args) -> int:
     set_threads(args.threads)
     model = load_model(args.model, dtype=args.dtype, device=device).set_gemm(args.gemm)
     records, walls, results, traces, parts = _decode_methods(model, tok, task, problems, shots, specs, args, out,
-                                                             rank, world)
+                                                             rank, world, ending)
+    ending.together = True                          # every rank went through every collective
     if rank != 0:
         return 0
     if args.plot and world > 1:
@@ -465,10 +525,12 @@ def _examples(task, args):
     return lambda k: task.few_shot(k, args.few_shot_data or args.data)
 
 
-def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, out, rank: int, world: int):
+def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, out, rank: int, world: int,
+                    ending: _Ending):
     """Every method over this rank's share of the problems: (records of all ranks, wall seconds per
     method, plot results and traces per method, each rank's plot data per method). Rank 0 appends
-    each method's records to `out` as they are produced."""
+    each method's records to `out` as they are produced; where it cannot, every rank stops there
+    (rank 0's `error:` line and status 2, the others status 0: their part was done)."""
     mine = problems[rank::world]
     prompts = [tok.encode(task.format_prompt(pr, shots)) for pr in mine]
     records, walls, traces, results, parts = [], {}, {}, {}, []
@@ -488,8 +550,8 @@ def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, 
         records += new
         results[m], traces[m] = res, steps
         parts.append([pd for _, _, pd in gathered])
-        if rank == 0:                                       # written as produced: an interruption loses nothing
-            _append(out, new)
+        # written as produced (an interruption loses nothing), by rank 0, whose failure every rank learns
+        _from_rank0(rank, world, ending, lambda: _append(out, new), others=0)
     return records, walls, results, traces, parts
 
 

@@ -257,11 +257,12 @@ for _o in (
     Option("static_rows", bool, "pad every verification call of a block to the block's rows times the graph's "
            "nodes, so a block's calls share one shape (what CUDA graphs and a static torch.compile need); "
            "the tokens do not change at temperature 0", label="--static-rows", general=True),
-    Option("compile", bool, "torch.compile the model's transformer blocks for this decoder (dynamic shapes; the "
-           "first calls compile; the eager model is left as it is; bf16 rounding may differ from eager)",
+    Option("compile", bool, "torch.compile the model's transformer blocks for this decoder (dynamic shapes; "
+           "attention runs eagerly between the compiled parts; the first calls compile; the eager model is left "
+           "as it is; bf16 rounding may differ from eager)",
            label="--compile", general=True),
     Option("cuda_graphs", bool, "replay every verification call from a CUDA graph captured per (rows, block) "
-           "bucket (engine/graphs.py; needs a CUDA device and --static-rows; not yet run on a GPU)",
+           "bucket (engine/graphs.py; needs a CUDA device and --static-rows; run once, on an H200: docs/gpu.md)",
            label="--cuda-graphs", general=True),
     # ---- method and policy options (engine/methods.py says which method takes which)
     Option("steps", int, "total steps over the generation (default: gen length)", check=_at_least(1)),

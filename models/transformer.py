@@ -15,7 +15,9 @@ block, not the whole canvas.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -226,11 +228,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, c.rms_eps) if c.qk_norm else None
         self.v_norm = RMSNorm(self.d, c.rms_eps, scale=False) if c.v_norm else None
 
-    def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False,
-                tokens: Tokens | None = None):
-        """x [R, T, hidden], or with `tokens` [M, hidden]: the call's real positions only (the
-        projections, norms and RoPE run on those, `cos`/`sin` [M, 1, 1, D]; attention on the [R, T]
-        layout, padding zero)."""
+    def qkv(self, x, cos, sin, tokens: Tokens | None = None):
+        """q [R, H, T, D], k and v [R, Hkv, T, D] of x [R, T, hidden], or with `tokens` [M, hidden]: the
+        call's real positions only (the projections, norms and RoPE run on those, `cos`/`sin` [M, 1, 1,
+        D]; q, k and v come back in the [R, T] layout, padding zero, as attention needs)."""
         R, T = (x.shape[0], x.shape[1]) if tokens is None else (tokens.rows, tokens.width)
         # [rows, heads, positions, D]: [R, H, T, D], or one position per real token [M, H, 1, D]
         heads = (lambda t, n: t.view(R, T, n, self.d).transpose(1, 2)) if tokens is None else \
@@ -246,9 +247,18 @@ class Attention(nn.Module):
         if tokens is not None:       # attention needs each row's layout: scatter (padding zero)
             q, k, v = (tokens.scatter(t.reshape(t.shape[0], -1)).view(R, T, -1, self.d).transpose(1, 2)
                        for t in (q, k, v))
+        return q, k, v
+
+    def attend(self, q, k, v, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False):
+        """`attend` with this layer's scale and own-key visibility: o [R, T, H·D]."""
+        R, _, T, _ = q.shape
         o = attend(q, k, v, own_mask, cache_kv, cache, all_own=self.bidirectional or decoder, scale=self.scale,
-                   cache_mask=cache_mask).transpose(1, 2).reshape(R, T, self.h * self.d)
-        return row_parallel(self.wo, o if tokens is None else tokens.gather(o), self.tp), (k, v)
+                   cache_mask=cache_mask)
+        return o.transpose(1, 2).reshape(R, T, self.h * self.d)
+
+    def out(self, o, tokens: Tokens | None = None):
+        """The o projection of attention's o [R, T, H·D]: [R, T, hidden] (with `tokens` [M, hidden])."""
+        return row_parallel(self.wo, o if tokens is None else tokens.gather(o), self.tp)
 
 
 # the gated MLPs' activation: SwiGLU, or GeGLU with the tanh approximation (Gemma's gelu_pytorch_tanh)
@@ -420,10 +430,21 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, own_mask, cache_kv, cache, cache_mask=None, decoder: bool = False,
                 tokens: Tokens | None = None):
-        a, kv = self.attn(self.attn_norm(x), cos, sin, own_mask, cache_kv, cache, cache_mask, decoder, tokens)
+        """x [R, T, hidden] (with `tokens`: [M, hidden], the real positions only) through the block:
+        (x, this call's (k, v)). Three parts: `before_attention` and `after_attention` hold every
+        parameter and are what `Transformer.compiled` compiles; attention itself runs between them."""
+        q, k, v = self.before_attention(x, cos, sin, tokens)
+        o = self.attn.attend(q, k, v, own_mask, cache_kv, cache, cache_mask, decoder)
+        return self.after_attention(x, o, decoder, tokens), (k, v)
+
+    def before_attention(self, x, cos, sin, tokens: Tokens | None = None):
+        return self.attn.qkv(self.attn_norm(x), cos, sin, tokens)
+
+    def after_attention(self, x, o, decoder: bool = False, tokens: Tokens | None = None):
+        a = self.attn.out(o, tokens)
         if not self.sandwich:
             x = x + a
-            return x + self.mlp(self.ffn_norm(x)), kv
+            return x + self.mlp(self.ffn_norm(x))
         x = x + self.post_attn_norm(a)
         f = self.mlp(self.ffn_norm(x))
         if self.moe is not None:
@@ -431,7 +452,63 @@ class Block(nn.Module):
         x = x + self.post_ffn_norm(f)
         if self.scalars:
             x = x * (self.dec_scalar if decoder else self.enc_scalar)
-        return x, kv
+        return x
+
+
+_RECOMPILE_LIMIT = "torch._dynamo hit config.%s"      # dynamo's warning, when a function reaches its limit
+_warned_recompile_limit = False
+
+
+def _recompile_limit_warning(record) -> bool:
+    """A logging filter of dynamo's warnings: its five lines saying that one of this file's compiled
+    functions reached the recompile limit become one line, printed once (stderr); the others pass."""
+    global _warned_recompile_limit
+    args = record.args if isinstance(record.args, tuple) else ()
+    if not str(record.msg).startswith(_RECOMPILE_LIMIT) or len(args) < 3 or __file__ not in str(args[2]):
+        return True
+    if not _warned_recompile_limit:
+        _warned_recompile_limit = True
+        where = str(args[2]).split("'")
+        print(f"warning: --compile: torch.compile reached its recompile limit ({args[1]}) in the model's blocks ("
+              f"{where[1] if len(where) > 2 else args[2]}); calls of shapes it compiled no graph for run eagerly "
+              f"from now on (TORCH_LOGS=recompiles names them)", file=sys.stderr)
+    return False
+
+
+def _warn_at_recompile_limit() -> None:
+    """Install `_recompile_limit_warning` on dynamo's logger (once)."""
+    import logging
+
+    log = logging.getLogger("torch._dynamo.convert_frame")
+    if _recompile_limit_warning not in log.filters:
+        log.addFilter(_recompile_limit_warning)
+
+
+def _compiled_blocks(layers, c: ModelConfig) -> list:
+    """`_compiled_block` of each of `layers`, the model's. Each kind of layer (attention shape, mixture
+    of experts or not) has its own compiled region per part, which its layers share, with its own
+    graphs and its own recompile limit (`isolate_recompiles`: another model compiled in the process
+    neither shares nor counts against it)."""
+    parts = {}
+    for i in range(len(layers)):
+        kind = (c.layer(i), c.is_moe_layer(i))
+        if kind not in parts:
+            parts[kind] = tuple(torch.compile(f, dynamic=True, isolate_recompiles=True)
+                                for f in (Block.before_attention, Block.after_attention))
+    return [_compiled_block(b, parts[c.layer(i), c.is_moe_layer(i)]) for i, b in enumerate(layers)]
+
+
+def _compiled_block(block: Block, parts: tuple) -> Block:
+    """A shallow copy of `block` (the same submodules and parameters) whose parts before and after
+    attention run `parts`: `Block.before_attention` and `Block.after_attention` under `torch.compile`."""
+    before, after = parts
+    twin = copy.copy(block)
+    twin._modules = dict(block._modules)
+    twin.before_attention = lambda *a: before(block, *a)
+    # attention's output, laid out as each kernel left it (a view, strides), as one contiguous tensor
+    # of its own: the graph is not specialised on the layout
+    twin.after_attention = lambda x, o, *a: after(block, x, o.contiguous().detach(), *a)
+    return twin
 
 
 class SelfConditioning(nn.Module):
@@ -511,16 +588,26 @@ class Transformer(nn.Module):
         return self.device.type == "cpu" if self.unpad is None else self.unpad
 
     def compiled(self) -> "Transformer":
-        """A twin of this model whose transformer blocks run under `torch.compile` (dynamic shapes,
-        so the rows and lengths of a call do not recompile), sharing every parameter with it; the
-        model itself stays eager. Made once per model; the first calls of each shape compile."""
+        """A twin of this model whose transformer blocks run under `torch.compile`, sharing every
+        parameter with it; the model itself stays eager. Made once per model.
+
+        What compiles is each block's parts before and after attention (`_compiled_block`), with
+        dynamic shapes; attention runs its kernels eagerly between them. Its inputs vary in more than
+        shape: with a cache or not, one cache row per row or drafts sharing one (the row plan's layout:
+        drafts per sequence, rows already grouped, cache rows no row reads), own keys masked or not;
+        dynamo guarded on each and compiled a graph per mix, past its recompile limit (8) in a batch
+        whose rows join and leave, after which new mixes ran eagerly. The parts compile for rows 1 or
+        more and positions 1 or more: at most 4 graphs each per kind of layer (`_compiled_blocks`),
+        whatever the batch, cache or draft depth (tests/test_static_rows.py). Should dynamo still
+        reach its limit, one warning line says so (`_recompile_limit_warning`)."""
         twin = self.__dict__.get("_compiled_twin")
         if twin is None:
             _experts_out_of_graphs()
+            _warn_at_recompile_limit()
             twin = Transformer.__new__(Transformer)
             twin.__dict__.update(self.__dict__)
             twin._modules = dict(self._modules)            # a new module table: the blocks differ
-            twin.layers = nn.ModuleList(torch.compile(b, dynamic=True) for b in self.layers)
+            twin.layers = nn.ModuleList(_compiled_blocks(self.layers, self.config))
             twin.__dict__["_compiled"] = True
             self.__dict__["_compiled_twin"] = twin          # a plain attribute: no module registration
         return twin

@@ -149,6 +149,60 @@ def test_torchrun_two_ranks_gather_one_result(tiny, tmp_path):
     assert fs["contribution"] == f1["contribution"] and fs["contribution"]
 
 
+def _two_ranks(argv: list[str], timeout: float = 90) -> list[tuple[int, str]]:
+    """`python -m bench.eval ARGV` on 2 gloo ranks launched by hand (torchrun's environment, so each
+    rank's exit status and stderr are its own, and no launcher stops the others): (status, stderr)
+    per rank. A rank still running after `timeout` seconds fails the test: it waits in a collective."""
+    import time
+
+    from support import free_port
+
+    port, procs = str(free_port()), []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.eval", *argv], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline, out = time.monotonic() + timeout, []
+    try:
+        for p in procs:
+            out.append((p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1], p.returncode))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the ranks of bench.eval {' '.join(argv)} did not end within {timeout} s (a rank waits in a "
+                    f"collective)")
+    return [(code, err) for err, code in out]
+
+
+@pytest.mark.slow
+def test_torchrun_outputs_rank0_cannot_write_end_every_rank_cleanly(tiny, tmp_path):
+    """Under torchrun rank 0 writes the outputs. What can be checked before decoding (--out exists
+    without --overwrite, --plot not a directory) is checked then, for every rank: all exit 2, one
+    `error:` line (rank 0's), no traceback, none left waiting. Rank 0 failing to write results while
+    decoding (a full disk: /dev/full) is its one `error:` line and status 2, and the other rank ends
+    with status 0 (its part was done) instead of waiting in the next method's collective."""
+    common = ["--model", str(tiny), "--task", "math", "--methods", "greedy", "confidence", "--limit", "4",
+              "--gen-length", "16", "--block-length", "16", "--quiet"]
+    there = tmp_path / "there.jsonl"
+    there.write_text("kept\n")
+    (tmp_path / "afile").write_text("x")
+    for extra, says in ((["--out", str(there)], f"error: --out {there} exists; pass --overwrite to replace it"),
+                        (["--out", str(tmp_path / "r.jsonl"), "--plot", str(tmp_path / "afile" / "fig")],
+                         f"error: --plot {tmp_path / 'afile' / 'fig'}: cannot create the directory")):
+        (code0, err0), (code1, err1) = _two_ranks(common + extra)
+        assert (code0, code1) == (2, 2), err0[-2000:] + err1[-2000:]
+        assert err0.splitlines() == [err0.strip()] and err0.startswith(says), err0[-2000:]
+        assert err1 == "", err1[-2000:]
+    assert there.read_text() == "kept\n" and not (tmp_path / "r.jsonl").exists()
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full to fail a write with")
+    (code0, err0), (code1, err1) = _two_ranks(common + ["--out", "/dev/full"])
+    assert (code0, code1) == (2, 0), err0[-2000:] + err1[-2000:]
+    assert err0.strip() == "error: --out /dev/full: cannot write the results (No space left on device)", err0[-2000:]
+    assert err1 == "", err1[-2000:]
+
+
 def test_precision_at_k_uses_problem_indices_across_batches(tiny, tmp_path, capsys, monkeypatch):
     """Lookahead statistics must not mix up rows of different batches: with batch size 1 and with
     one batch the curves are identical."""
