@@ -655,19 +655,19 @@ def _check_config(config) -> None:
 def _batch_rows(state: BatchState, rows) -> list[int]:
     """`rows` as ints, each a row of `state`'s batch (0 .. B-1, no negative index); else InputError."""
     n = 0 if state.batch is None else state.batch.x.shape[0]
+    out = []
     try:
-        out = [operator.index(r) for r in rows if not isinstance(r, bool) or _bad_row(r, n)]
+        for r in rows:
+            if isinstance(r, bool):         # operator.index takes True as 1
+                raise TypeError
+            out.append(operator.index(r))
     except TypeError:
         raise InputError(f"rows must be a list of batch row indices, got {rows!r}") from None
     for r in out:
         if not 0 <= r < n:
-            _bad_row(r, n)
+            raise InputError(f"row {r!r} is not a row of this batch (its rows are 0 to {n - 1})" if n else
+                             f"row {r!r} is not a row of this batch (it has none left)")
     return out
-
-
-def _bad_row(r, n: int):
-    raise InputError(f"row {r!r} is not a row of this batch (its rows are 0 to {n - 1})" if n else
-                     f"row {r!r} is not a row of this batch (it has none left)")
 
 
 def generate(model: Transformer, prompts, config: DecodeConfig | None = None, **options) -> list[SequenceResult]:

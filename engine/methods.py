@@ -81,20 +81,19 @@ def register(method: Method) -> Method:
     names must then exist in the option table (else ValueError, and the table is as it was)."""
     if not isinstance(method, Method):
         raise TypeError(f"register takes an engine.Method, got {type(method).__name__}")
-    before: dict[str, object] = {}
-    for option in getattr(method.policy, "declares", ()):
-        if OPTIONS.get(option.name, _ABSENT) is not option:
-            before.setdefault(option.name, OPTIONS.get(option.name, _ABSENT))
-            try:
+    before: dict[str, object] = {}        # what the option table held where this registration writes
+    try:
+        for option in getattr(method.policy, "declares", ()):
+            if OPTIONS.get(option.name, _ABSENT) is not option:
+                before.setdefault(option.name, OPTIONS.get(option.name, _ABSENT))
                 register_option(option)
-            except BaseException:
-                _restore(before)
-                raise
-    pol_opts = tuple(method.policy.params) if method.policy is not None else ()
-    missing = [o for o in method.options + pol_opts if o not in OPTIONS]
-    if missing:
+        pol_opts = tuple(method.policy.params) if method.policy is not None else ()
+        missing = [o for o in method.options + pol_opts if o not in OPTIONS]
+        if missing:
+            raise ValueError(f"method {method.name!r} names unknown options {missing}")
+    except BaseException:                  # a refused registration leaves the table as it was
         _restore(before)
-        raise ValueError(f"method {method.name!r} names unknown options {missing}")
+        raise
     declared = _DECLARED.get(method.name, {}) if method.name in METHODS else {}
     _DECLARED[method.name] = {**before, **declared}       # a re-registration keeps the first state
     METHODS[method.name] = method
