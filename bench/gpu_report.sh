@@ -200,8 +200,10 @@ else
             --prefix 32 64 --rows 1 2 4 --block-length 8 --cost-reps 2 --out "$OUT/cost_${shape//-/_}" --overwrite --quiet
     done
     section profile_call 60 "$PY" -m bench.profile_call --shape tiny --prefix 32 --block-length 8 --rows 1 4 --reps 2
+    # float32: it checks the section and its CSV; bfloat16 matmuls are 4x slower on a CPU without bf16
+    # instructions (tests/test_engine.py and tests/test_models.py decode bfloat16)
     section end_to_end 180 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
-        --batch-sizes 1 4 --num-prompts 2 4 --cache none dual --gen-length 32 --repeats 1 --dtype bfloat16 \
+        --batch-sizes 1 4 --num-prompts 2 4 --cache none dual --gen-length 32 --repeats 1 --dtype float32 \
         --out "$OUT/end_to_end" --overwrite --quiet
 fi
 

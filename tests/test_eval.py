@@ -37,11 +37,12 @@ def _check_table_against_jsonl(stdout: str, jsonl: Path, n: int):
 
 @pytest.mark.skipif(not (DEFAULT / "config.json").is_file(), reason="no shipped model")
 @pytest.mark.slow
-def test_eval_math_limit_50_table_matches_jsonl(tmp_path, capsys):
+def test_eval_math_shipped_model_table_matches_jsonl(tmp_path, capsys):
+    """20 problems: a full batch of 16 and a short one of 4."""
     out = tmp_path / "r.jsonl"
-    assert eval_main(["--task", "math", "--methods", "greedy", "confidence", "--limit", "50", "--out", str(out),
+    assert eval_main(["--task", "math", "--methods", "greedy", "confidence", "--limit", "20", "--out", str(out),
                       "--quiet"]) == 0
-    _check_table_against_jsonl(capsys.readouterr().out, out, 50)
+    _check_table_against_jsonl(capsys.readouterr().out, out, 20)
 
 
 @pytest.fixture(scope="module")

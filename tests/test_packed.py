@@ -131,26 +131,28 @@ def test_serve_sim_compares_the_schedulers_on_the_same_requests(capsys):
     from bench import serve_sim
     from support import run_main
     args = ["--clients", "3", "--requests", "5", "--rounds", "1", "--cache", "none", "--max-tokens", "16", "8",
-            "--block-length", "8", "--modes", "continuous", "static", "by-length"]
+            "--block-length", "8", "--modes", "continuous", "static", "by-length", "serial"]
     rows = {}
     for unpad in ("off", "on"):
         rc, out, err = run_main(serve_sim.main, args + ["--unpad", unpad], capsys)
         assert rc == 0, err
         rows[unpad] = row = json.loads(out.strip().splitlines()[-1])["rows"][0]
         assert row["identical"] and row["clients"] == 3
-        for mode in ("continuous", "static", "by-length"):
+        for mode in ("continuous", "static", "by-length", "serial"):
             assert row[mode]["requests"] == 5 and row[mode]["columns_per_request"] > 0 and \
                 row[mode]["calls_per_request"] > 0
             r = row[mode]       # the TTFT spread: a bimodal static distribution shows in p10 / p90 and the mean
             assert 0 < r["p10_ttft"] <= r["p50_ttft"] <= r["p90_ttft"] and r["p10_ttft"] <= r["mean_ttft"] <= r["p90_ttft"]
-    cols = {u: {m: rows[u][m]["columns_per_request"] for m in ("continuous", "static", "by-length")} for u in rows}
+    cols = {u: {m: rows[u][m]["columns_per_request"] for m in ("continuous", "static", "by-length", "serial")}
+            for u in rows}
     assert cols["off"]["by-length"] < cols["off"]["continuous"]        # every column runs: the 16-token rectangle
     # on real positions only, a request costs its own columns whatever it is batched with
     assert cols["on"]["continuous"] == cols["on"]["static"] == cols["on"]["by-length"] < cols["off"]["continuous"]
+    assert cols["on"]["serial"] == cols["off"]["serial"] == cols["on"]["static"]     # serial: the floor
     rc, _, err = run_main(serve_sim.main, ["--method", "confidence:threshold=7", "--requests", "2"], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:")
     # --profile: per mode, its functions by own time; the model's matmuls among them, the JSON still last
-    rc, out, err = run_main(serve_sim.main, args[:-3] + ["continuous", "static", "--profile", "4"], capsys)
+    rc, out, err = run_main(serve_sim.main, args[:-4] + ["continuous", "static", "--profile", "4"], capsys)
     assert rc == 0, err
     heads = [line for line in out.splitlines() if line.startswith("profile: cache none, 3 clients")]
     assert [h.split(", ")[2] for h in heads] == ["continuous", "static"]
