@@ -26,7 +26,7 @@ temperature 0 its tokens are those of a single-request run.
 """
 from __future__ import annotations
 
-import itertools
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -77,7 +77,7 @@ class LiveBatch:
         self.joined: dict[int, float] = {}
         self.cancelled: set[int] = set()
         self.answered: set[int] = set()                          # reported done before their row left
-        self._ids = itertools.count()
+        self.issued = 0                                          # handles given out: 0 .. issued-1
         self.state = None                                        # the running batch (Decoder.start), or None
         self._ended: LiveUpdate = LiveUpdate()                   # what the last block boundary ended
 
@@ -91,13 +91,22 @@ class LiveBatch:
         dc = self.dec.dc
         g = dc.gen_length if gen_length is None else gen_length
         ids = check_prompts(self.dec.mc, dc, [prompt_ids], gen_length=g)[0]       # and the gen length
-        handle = next(self._ids)
+        handle, self.issued = self.issued, self.issued + 1
         self.waiting.append((handle, ids, g, seed))
         return handle
 
     def cancel(self, handle: int) -> None:
         """Stop decoding `handle`: no model call after this one includes it (its row leaves the
-        batch at the next block boundary; a waiting one never joins); no result is reported for it."""
+        batch at the next block boundary; a waiting one never joins); no result is reported for it.
+        A handle that has finished or was cancelled already is left as it is; one `add` never
+        returned is an InputError."""
+        try:
+            known = not isinstance(handle, bool) and 0 <= operator.index(handle) < self.issued
+        except TypeError:
+            known = False
+        if not known:
+            raise InputError(f"cancel: {handle!r} is not a handle this batch gave out (add returns them)")
+        handle = operator.index(handle)
         if any(w[0] == handle for w in self.waiting):
             self.waiting = [w for w in self.waiting if w[0] != handle]
         elif handle in self.handles:

@@ -12,6 +12,7 @@ import torch
 import psd_kernels
 from engine import DecodeConfig, Decoder, InputError, Method, Option, generate, register, unregister
 from engine.cost import CostModel
+from engine.live import LiveBatch
 from engine.methods import METHODS
 from engine.options import OPTIONS, POLICY_NAMES
 from engine.policies import Confidence
@@ -69,6 +70,24 @@ def test_leave_and_results_refuse_rows_the_batch_does_not_have(dec, rows):
     dec.leave(state, [0, 1])
     with pytest.raises(InputError, match="it has none left"):
         dec.leave(state, [0])
+
+
+@pytest.mark.parametrize("handle", [2, -1, True, "0", None, 1.0], ids=repr)
+def test_cancel_refuses_a_handle_the_batch_never_gave_out(dec, handle):
+    """LiveBatch.cancel of a handle `add` never returned was silently nothing (a typo'd handle left
+    its sequence decoding); a finished one is still a quiet no-op (a client can go away after its
+    answer)."""
+    live = LiveBatch(dec)
+    a, b = live.add([5, 6, 7]), live.add([8, 9])
+    with pytest.raises(InputError, match="is not a handle this batch gave out"):
+        live.cancel(handle)
+    done = {}
+    while not live.idle:
+        done.update(live.step().done)
+    assert set(done) == {a, b}
+    live.cancel(a)                                  # finished: nothing to do
+    live.cancel(torch.tensor(b).item())
+    assert live.idle and [done[a].token_ids, done[b].token_ids] == [r.token_ids for r in dec.generate(PROMPTS)]
 
 
 def test_a_config_that_is_not_a_decodeconfig_is_an_input_error(model):
