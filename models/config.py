@@ -154,6 +154,8 @@ class ModelConfig:
             raise CheckpointError(f"logit_softcap must be positive or None, got {self.logit_softcap!r}")
         if self.encoder_decoder and (not self.num_experts or self.moe_router != "softmax"):
             raise CheckpointError("an encoder-decoder (DiffusionGemma) model has the softmax-routed experts")
+        if self.encoder_decoder and self.mask_token_id is not None:   # the engine decodes masked models then
+            raise CheckpointError("an encoder-decoder (DiffusionGemma) model decodes from uniform noise: no mask token")
         if self.num_experts:
             _check_moe(self.num_experts, self.num_experts_per_tok, self.n_group, self.topk_group,
                        ("num_experts", "num_experts_per_tok", "n_group", "topk_group"), "")
@@ -250,6 +252,8 @@ class ModelConfig:
             r.what = top.what
         kw = _FROM_HF[family](r, family)
         _check_rope_scaling(r)
+        if family != "diffusion_gemma":   # DiffusionGemma's rope_parameters is per layer type (_dg_ropes)
+            _check_rope_parameters(r, kw)
         vocab, vocab_key = kw["vocab_size"], _VOCAB_KEY[family](raw)
         g = _Fields(generation_config, gen_source) if generation_config is not None else None
         mask, eos_list, pad_list, stops = _special_ids(raw, r, top, g, family, vocab, vocab_key, gen_source)
@@ -259,6 +263,7 @@ class ModelConfig:
             kw["attention_block"] = gen_defaults.get("block_length", LLADA2_BLOCK)
         if family == "diffusion_gemma":     # the canvas (block) length is the engine's default block
             _dg_top_level(top)
+            mask = None    # checked above but never used: it decodes from uniform noise (a mask id means masked)
             gen_defaults.setdefault("block_length", top.pos_int("canvas_length", 256))
             kw["diffusion"] = _dg_generation(g, vocab) if g is not None else {}
         return cls(
@@ -599,6 +604,10 @@ def _dg_ropes(r: "_Fields", types: list[str]) -> dict:
     rope = _DG_ROPE if rope is None else rope
     if not isinstance(rope, dict):
         r.fail("rope_parameters", "an object per layer type", rope)
+    other = sorted(k for k in rope if k not in LAYER_TYPES)
+    if other:                 # e.g. one flat RoPE for all layers: transformers fails on it; not read as defaults
+        raise CheckpointError(f"{r.source}: rope_parameters names {other[0]!r}; it holds one object per layer type "
+                              f"({', '.join(LAYER_TYPES)}), as DiffusionGemmaTextConfig writes it")
     ropes = {}
     for kind in set(types):
         p = rope.get(kind, _DG_ROPE[kind])
@@ -900,6 +909,28 @@ def _check_rope_scaling(r: _Fields) -> None:
     if rs and kind != "default":
         raise CheckpointError(f"{r.source}: rope_scaling of type {kind!r} is not supported by this engine "
                               f"(it implements plain RoPE); got {_show(rs)}")
+
+
+def _check_rope_parameters(r: _Fields, kw: dict) -> None:
+    """transformers 5 writes a config's RoPE as `rope_parameters` and reads it in place of `rope_scaling`
+    and `rope_theta` (which it may leave out: then the θ given here is the model's, set in `kw`): it must
+    say what those fields say (plain RoPE at `rope_theta` over the rotary features), or a model decoded
+    here would differ from the one the file describes."""
+    rp = r.raw.get("rope_parameters")
+    if rp is None or rp == {}:
+        return
+    if not isinstance(rp, dict):
+        r.fail("rope_parameters", "an object or null", rp)
+    f = _Fields(rp, f"{r.source} rope_parameters")
+    if "rope_theta" not in r.raw and "rope_theta" in rp:
+        kw["rope_theta"] = f.pos_num("rope_theta")
+    hd, rotary, theta = kw["head_dim"], kw.get("rotary_dim") or kw["head_dim"], kw["rope_theta"]
+    kind = f.string("rope_type", None) or f.string("type", "default")
+    if kind != "default" or f.pos_num("rope_theta", theta) != theta or any(isinstance(v, dict) for v in rp.values()) \
+            or int(hd * f.pos_num("partial_rotary_factor", rotary / hd)) != rotary:
+        raise CheckpointError(f"{r.source}: rope_parameters {_show(rp)} is not supported by this engine (it "
+                              f"implements plain RoPE with theta {theta:g} over {rotary} of the {hd} features of a "
+                              f"head, as rope_theta and the other fields say)")
 
 
 # ---------------------------------------------------------------------- files a user names

@@ -254,6 +254,9 @@ BAD = [
     (dict(final_logit_softcapping=-1), "field 'final_logit_softcapping' must be a positive number"),
     (dict(eos_token_id=64), "eos_token_id 64 is outside the vocabulary of size 64"),
     (dict(mask_token_id=99), "mask_token_id 99 is outside the vocabulary of size 64"),
+    # one flat RoPE (transformers fails on it): not the defaults of each layer type
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5}), "rope_parameters names 'rope_theta'; it holds "
+                                                                        "one object per layer type"),
 ]
 
 
@@ -263,6 +266,18 @@ def test_bad_diffusion_gemma_config_is_one_line(tmp_path, changes, message):
     with pytest.raises(CheckpointError, match=re.escape(message)) as e:
         load_model(path)
     assert "\n" not in str(e.value) and "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["TOP_mask_token_id", "mask_token_id", "gen"])
+def test_a_mask_id_does_not_make_it_a_masked_model(tmp_path, where):
+    """A mask id in config.json (either level) or generation_config.json is checked but never used:
+    transformers ignores it, and a model with a mask id would be decoded as a masked one (greedy, PSD)."""
+    path = _write_config(tmp_path, **({} if where == "gen" else {where: 5}))
+    if where == "gen":
+        (path / "generation_config.json").write_text(json.dumps({"mask_token_id": 5}))
+    assert ModelConfig.from_dir(path).mask_token_id is None
+    with pytest.raises(CheckpointError, match="decodes from uniform noise: no mask token"):
+        ModelConfig.tiny("diffusion_gemma", mask_token_id=5)
 
 
 def test_config_defaults_follow_transformers(tmp_path):

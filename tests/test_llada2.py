@@ -271,6 +271,12 @@ BAD = [
     (dict(block_length=0), "field 'block_length' must be a positive integer"),
     (dict(mask_token_id=None), "lacks the required field 'mask_token_id' (of a llada2 model; "),
     (dict(rope_scaling={"type": "yarn", "factor": 4}), "rope_scaling of type 'yarn' is not supported"),
+    # transformers 5 reads rope_parameters in place of rope_scaling / rope_theta: it must agree with them
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 6e5}),
+     'rope_parameters {"rope_type": "yarn", "factor": 4.0, "rope_theta": 600000.0} (an object) is not supported'),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+     "plain RoPE with theta 600000 over 8 of the 16"),
+    (dict(rope_parameters={"rope_theta": 6e5, "partial_rotary_factor": 1.0}), "rope_parameters {"),
 ]
 
 
@@ -280,6 +286,16 @@ def test_bad_llada2_config_is_one_line(tmp_path, changes, message):
     with pytest.raises(CheckpointError, match=re.escape(message)) as e:
         load_model(path)
     assert "\n" not in str(e.value) and "config.json" in str(e.value)
+
+
+def test_rope_parameters_that_agree_load(tmp_path):
+    """rope_parameters as transformers 5 saves a LLaDA2 config (the same theta and rotary fraction) loads."""
+    path = _write_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 6e5,
+                                                    "partial_rotary_factor": 0.5})
+    assert load_model(path).config.rotary_dim == 8
+    # transformers 5 may save no top-level rope_theta: the theta is rope_parameters' (was: 10000, silently)
+    path = _write_config(tmp_path, "m2", rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 6e5})
+    assert ModelConfig.from_dir(path).rope_theta == 6e5
 
 
 def test_ids_and_block_from_generation_config(tmp_path):
