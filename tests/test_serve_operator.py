@@ -221,6 +221,23 @@ def test_request_id_is_echoed_or_made_and_logged(server):
     assert re.search(r'"POST /v1/completions HTTP/1.1" 400 \S+s request_id=' + made.headers["x-request-id"], log)
 
 
+@pytest.mark.parametrize("sent", [b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n"])
+def test_a_request_that_is_not_http_gets_a_json_400_with_a_request_id(server, sent):
+    """uvicorn answers what h11 cannot parse itself, outside the app: that 400 was plain text with no
+    X-Request-Id and no access line; it is OpenAI's error shape with a new id, logged like the rest."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(sent)
+        _, got = _closed_after(s, 15)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), got
+    rid = re.search(rb"(?im)^x-request-id: ([0-9a-f]{32})\r?$", head)
+    assert rid and json.loads(body)["error"]["code"] == "invalid_http", got
+    deadline = time.monotonic() + 10
+    while f"400 0.000s request_id={rid.group(1).decode()}" not in server.log.read_text():
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.05)
+
+
 def _closed_after(sock: socket.socket, limit: float) -> tuple[float, bytes]:
     """Seconds until the server closes `sock` (reading what it sent), at most `limit`."""
     t0, got = time.monotonic(), b""

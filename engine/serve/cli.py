@@ -11,8 +11,8 @@ import socket
 import sys
 import threading
 
-from ..frontend import (DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag, checked_gemm, guarded,
-                        plugins_loaded, resolve_device)
+from ..frontend import (DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag, checked_gemm,
+                        guarded, plugins_loaded, resolve_device)
 from ..errors import InputError
 from ..methods import METHODS
 from .routes import build_app, head_timeout_protocol
@@ -62,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                "CPU 1 is often fastest)")
     p.add_argument("--chat-template", help="Jinja chat template (a file, or the template text) for a checkpoint "
                                            "without one, or to replace its own")
-    p.add_argument("--max-batch", type=int, default=32, help="most requests decoded together (1: one at a time)")
-    p.add_argument("--max-queue", type=int, default=256, help="most requests waiting; more are answered 429")
+    p.add_argument("--max-batch", type=int, default=32,
+                   help="most rows (choices: a request's prompts times n) decoded together, in all running "
+                        "batches (1: one at a time)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="most choices waiting (a request's prompts times n); a request whose choices do not all "
+                        "fit is answered 429")
     p.add_argument("--max-choices", type=int, default=MAX_CHOICES,
                    help="most choices (prompts times n) one request may ask for; more is a 400")
     p.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
@@ -221,9 +225,10 @@ def _main(args) -> int:
         sock.close()
         raise
     # the access log is the app's own (routes.RequestId: each line with its X-Request-Id)
+    protocol = head_timeout_protocol(args.read_timeout, args.access_log)
     http = http_server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
-                                      access_log=False, timeout_graceful_shutdown=3,
-                                      http=head_timeout_protocol(args.read_timeout)), server.scheduler.close)
+                                      access_log=False, timeout_graceful_shutdown=3, http=protocol),
+                       server.scheduler.close)
     startup = _StartupErrors(http)
     logging.getLogger("uvicorn.error").addFilter(startup)
     worker = threading.Thread(target=server.load_and_serve, args=(http,), name=DECODER_THREAD, daemon=True)

@@ -7,6 +7,7 @@ when the app is built.
 `request: Request` must resolve to fastapi's class imported inside `build_app`.)"""
 import asyncio
 import hmac
+import json
 import re
 import sys
 import time
@@ -134,11 +135,13 @@ class RequestId:
                       f"{status or '-'} {time.perf_counter() - t0:.3f}s request_id={rid}", file=sys.stderr, flush=True)
 
 
-def head_timeout_protocol(seconds: float):
+def head_timeout_protocol(seconds: float, log: bool = False):
     """uvicorn's h11 protocol with a deadline for every request's line and headers: a connection
     that has not sent them within `seconds` of opening, or of its previous answer, is closed.
     (uvicorn's own keep-alive timer stops at the first byte, so a client that sends part of a
-    request line and stalls would hold its connection forever.)"""
+    request line and stalls would hold its connection forever.) A request that is not valid HTTP,
+    which the app never sees, is answered 400 in OpenAI's shape with an X-Request-Id (`log`: and
+    an access line), as every other answer."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadTimeout(H11Protocol):
@@ -177,7 +180,28 @@ def head_timeout_protocol(seconds: float):
             if not self.transport.is_closing():
                 self.transport.close()
 
+        def send_400_response(self, msg: str) -> None:      # uvicorn's, for what h11 cannot parse
+            not_http(self, log)
+
     return HeadTimeout
+
+
+def not_http(protocol, log: bool) -> None:
+    """The answer to a request h11 cannot parse (uvicorn's was plain text without an id): a 400 in
+    OpenAI's shape with a new X-Request-Id, and with `log` its access line; the connection closes."""
+    import h11
+
+    rid = uuid.uuid4().hex
+    body = json.dumps(ApiError(400, "not a valid HTTP/1.1 request", "invalid_http").body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close"), (b"x-request-id", rid.encode("ascii"))]
+    for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                  h11.EndOfMessage()):
+        protocol.transport.write(protocol.conn.send(event))
+    protocol.transport.close()
+    if log:
+        host, port = protocol.client or ("-", 0)
+        print(f"access: {host}:{port} \"- - HTTP/1.1\" 400 0.000s request_id={rid}", file=sys.stderr, flush=True)
 
 
 def error(e: ApiError):
