@@ -145,9 +145,10 @@ def _stream_text(decoder, tok, ids, on_text):
     tokens, shown = [], ""
     for update in decoder.stream([ids]):
         tokens += update.pieces[0]
-        text = tok.decode(tokens)
-        if update.results is None:
-            text = text.rstrip("\ufffd")      # an incomplete UTF-8 sequence waits for its next bytes
+        if update.results is None:        # an incomplete UTF-8 sequence waits for its next bytes
+            text = tok.decode(tokens[:tok.settled(tokens)]).rstrip("\ufffd")
+        else:
+            text = tok.decode(tokens)
         if text.startswith(shown) and len(text) > len(shown):
             on_text(text[len(shown):])
             shown = text

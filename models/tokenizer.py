@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from .config import _Fields, read_json, read_text
 from .errors import CheckpointError
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _one_line(text) -> str:
@@ -34,6 +38,7 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a generic Exception subclass
             raise CheckpointError(f"cannot read {f}: {_one_line(e)}") from None
         self.size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._byte_fallback = '"ByteFallback"' in text      # its decoder joins runs of <0xNN> tokens
         self.chat_template, self._specials, self._template = None, {}, None
         self._template_source = ""
         cfg = path / "tokenizer_config.json"
@@ -99,6 +104,16 @@ class Tokenizer:
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids if int(i) >= 0 and self._tok.id_to_token(int(i)) is not None]
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def settled(self, ids) -> int:
+        """How many of `ids` (the start of a longer answer) have a text no later token changes: all but a
+        trailing run of byte tokens (<0xNN>) where the decoder has ByteFallback, which decodes such a run as
+        one: U+FFFD per byte wherever it is not valid UTF-8, so a later byte can undo a character it showed."""
+        n = len(ids)
+        if self._byte_fallback:
+            while n and _BYTE_TOKEN.fullmatch(self._tok.id_to_token(int(ids[n - 1])) or ""):
+                n -= 1
+        return n
 
     def token_id(self, token: str) -> int | None:
         """The id of a token string (None if the tokenizer has no such token)."""

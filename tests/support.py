@@ -193,3 +193,23 @@ LLADA2_MINI_CONFIG = dict(
     topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, score_function="sigmoid",
     moe_router_enable_expert_bias=True, pad_token_id=156892, rope_scaling=None)
 LLADA2_MINI_IDS = {"mask_token_id": 156895, "eos_token_id": 156892}
+
+
+def byte_fallback_tokenizer(path: Path, pieces=("a", "b", "c", "x", "y")):
+    """A Llama-style (SentencePiece, byte-fallback) `models.Tokenizer` in `path`: <unk> <s> </s>, the 256 byte
+    tokens <0x00>..<0xFF>, then `pieces`; characters outside them are their UTF-8 bytes."""
+    from tokenizers import Tokenizer as HF, decoders, models, normalizers
+
+    from models import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for p in ("▁", *pieces):
+        vocab.setdefault(p, len(vocab))
+    tok = HF(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return Tokenizer(path)

@@ -275,3 +275,24 @@ def test_random_checkpoint_never_replaces_what_a_directory_holds(tmp_path, capsy
     assert random_checkpoint([str(tmp_path / "afile" / "sub")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err), err
+
+
+def test_stream_text_waits_for_a_run_of_byte_tokens(tmp_path):
+    """--stream prints a byte-fallback run's text only once it ends (a later byte can turn an "é" shown
+    into U+FFFDs): the printed pieces are the text of the answer."""
+    from types import SimpleNamespace
+
+    from engine.cli import _stream_text
+    from support import byte_fallback_tokenizer
+
+    tok = byte_fallback_tokenizer(tmp_path)
+    ids = [tok.token_id(t) for t in ("<0xC3>", "<0xA9>", "<0xE2>", "a")]
+
+    class Decoder:
+        def stream(self, prompts):
+            yield from (SimpleNamespace(pieces=[[t]], results=None) for t in ids)
+            yield SimpleNamespace(pieces=[[]], results=[SimpleNamespace(token_ids=ids)])
+
+    pieces = []
+    _stream_text(Decoder(), tok, [1], pieces.append)
+    assert "".join(pieces) == tok.decode(ids) == "\ufffd" * 3 + "a"

@@ -94,3 +94,22 @@ def test_stop_sequences_count_after_min_tokens():
         shown = "".join(answer.add([t], [0.5]) for t in ids) + answer.finish()
         assert (shown, answer.completion_tokens) == (text, count), m
         assert answer.finish_reason == ("length" if m > len(ids) else "stop")
+
+
+def test_min_tokens_counts_characters_of_byte_tokens(tmp_path):
+    """A byte-fallback tokenizer shows an incomplete character as one U+FFFD per byte (and a character
+    it completed as U+FFFDs again while a later one is incomplete): a stop sequence completed by the
+    min_tokens-th token or later still ends the answer, one completed before it never does."""
+    from engine.serve.answer import Answer
+    from support import byte_fallback_tokenizer
+
+    tok = byte_fallback_tokenizer(tmp_path)
+    ids = tok.encode("€x y", special=False)[1:]           # <0xE2> <0x82> <0xAC> x ▁ y: "x" is the 4th token
+    for m, text, reason in [(3, "", "stop"), (4, "", "stop"), (5, "€x y", "length")]:
+        answer = Answer(tok, 100, ["€x"], [], m)
+        shown = "".join(answer.add([t]) for t in ids) + answer.finish()
+        assert (shown, answer.finish_reason) == (text, reason), m
+    ids = tok.encode("éé", special=False)[1:]             # C3 A9 C3 A9: the second "é" ends with the 4th token
+    answer = Answer(tok, 100, ["é"], [], 4)
+    shown = answer.add(ids[:2]) + answer.add(ids[2:]) + answer.finish()
+    assert (shown, answer.finish_reason, answer.completion_tokens) == ("é", "stop", 4)

@@ -139,3 +139,44 @@ def test_metrics_text():
                  'psd_request_latency_seconds_bucket{le="0.025"} 0', 'psd_request_latency_seconds_bucket{le="0.05"} 1',
                  "psd_request_latency_seconds_count 1", 'psd_time_to_first_token_seconds_bucket{le="+Inf"} 1'):
         assert line in lines, line
+
+
+def _pieces(answer, ids, sizes) -> list[str]:
+    out, i = [], 0
+    for n in sizes:
+        out.append(answer.add(ids[i:i + n]))
+        i += n
+    return out + [answer.finish()]
+
+
+def test_overlapping_stops_cut_at_the_earliest_however_the_tokens_arrive():
+    """Of overlapping stop sequences, the one that begins first cuts the answer, whether the decoder
+    commits its tokens one per call or all at once (a later-beginning one may complete first)."""
+    from engine.serve.answer import Answer
+    from models import Tokenizer
+
+    tok = Tokenizer("models/default")
+    ids = tok.encode("Hello world")
+    for sizes in ([1] * len(ids), [len(ids)]):
+        answer = Answer(tok, 100, ["worl", "or"], [])
+        pieces = _pieces(answer, ids, sizes)
+        assert ("".join(pieces), answer.shown, answer.finish_reason) == ("Hello ", "Hello ", "stop"), sizes
+        n = answer.completion_tokens                       # up to the token that completes "worl"
+        assert "worl" in tok.decode(ids[:n]) and "worl" not in tok.decode(ids[:n - 1])
+
+
+def test_streamed_text_is_never_undone_by_later_bytes(tmp_path):
+    """A byte-fallback decoder shows a run of byte tokens as U+FFFDs wherever it is not valid UTF-8: "é"
+    then a lone lead byte and "a" is "���a". What streams waits for the run to end, so the pieces
+    concatenate to the tokenizer's text of the answer."""
+    from engine.serve.answer import Answer
+    from support import byte_fallback_tokenizer
+
+    tok = byte_fallback_tokenizer(tmp_path)
+    ids = [tok.token_id(t) for t in ("<0xC3>", "<0xA9>", "<0xE2>", "a")]
+    answer = Answer(tok, 100, [], [])
+    pieces = _pieces(answer, ids, [1] * len(ids))
+    assert "".join(pieces) == answer.shown == tok.decode(ids) == "\ufffd" * 3 + "a"
+    ids = tok.encode("é€ab", special=False)                # valid: each character as soon as its bytes are in
+    answer = Answer(tok, 100, ["b"], [])
+    assert _pieces(answer, ids, [1] * len(ids)) == ["", "", "", "", "", "", "é€a", "", ""]

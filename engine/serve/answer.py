@@ -25,6 +25,7 @@ class Answer:
         self.done = False
         self.finish_reason = None
         self.completion_tokens = 0
+        self._heads: tuple = ((), [""])     # the first min_tokens - 1 tokens so far, the text of each prefix
 
     def add(self, piece: list[int], probs: list[float] | None = None, tops: list | None = None) -> str:
         if self.done:
@@ -57,29 +58,51 @@ class Answer:
         eos = next((i for i, t in enumerate(toks) if t in self.stop_ids), None)
         if eos is not None:
             toks = toks[:eos + 1]
-        text = self.tok.decode(toks)
         complete = final or eos is not None or len(self.tokens) >= self.max_tokens
-        floor = len(self.tok.decode(toks[:self.min_tokens - 1])) if self.min_tokens > 1 else 0
+        text = self.tok.decode(toks if complete else toks[:self.tok.settled(toks)])
+        floor = self._floor(toks, text)
+        whole = text.rstrip("\ufffd")          # an incomplete UTF-8 character waits for its bytes
+        safe = len(whole) - (0 if complete else self._hold(whole))   # a stop may still begin at `safe`
         cut = self._stop_at(text, floor)
-        if cut >= 0:
+        if 0 <= cut <= safe:          # no stop that begins before it can still complete: the earliest one
             text, complete = text[:cut], True
             self.finish_reason = "stop"
             self.completion_tokens = next((n for n in range(max(1, self.min_tokens), len(toks) + 1)
-                                           if self._stop_at(self.tok.decode(toks[:n]), floor) >= 0), len(toks))
+                                           if self._ends_at(self.tok.decode(toks[:n]), cut, floor)), len(toks))
         elif complete:
             self.finish_reason = "stop" if eos is not None else "length"
             self.completion_tokens = len(toks)
         else:
-            text = text.rstrip("\ufffd")          # an incomplete UTF-8 character waits for its bytes
-            hold = max((n for s in self.stop for n in range(min(len(s) - 1, len(text)), 0, -1)
-                        if text.endswith(s[:n])), default=0)
-            text = text[:len(text) - hold]
+            text = whole[:safe]
         new = ""
         if text.startswith(self.shown) and len(text) > len(self.shown):
             new, self.shown = text[len(self.shown):], text
         self.done = complete
         return new
 
+    def _floor(self, toks: list[int], text: str) -> int:
+        """How much of `text` the first `min_tokens` - 1 tokens complete (a stop sequence counts if it ends
+        after it): the longest text of a prefix of them that `text` continues, without incomplete characters
+        (a byte-fallback tokenizer shows a character it completed as U+FFFDs again while a later one is not)."""
+        if self.min_tokens <= 1:
+            return 0
+        head = tuple(toks[:self.min_tokens - 1])
+        old, texts = self._heads
+        if head[:len(old)] != old:
+            old, texts = (), [""]
+        texts = texts + [self.tok.decode(head[:k]).rstrip("\ufffd") for k in range(len(old) + 1, len(head) + 1)]
+        self._heads = (head, texts)
+        return max(len(t) for t in texts if text.startswith(t))
+
+    def _hold(self, text: str) -> int:
+        """The length of the longest end of `text` that is a proper start of a stop sequence."""
+        return max((n for s in self.stop for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:n])), default=0)
+
     def _stop_at(self, text: str, floor: int) -> int:
         """Where the first stop sequence that ends after `floor` characters starts in `text`; -1 if none."""
         return min((i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in self.stop) if i >= 0), default=-1)
+
+    def _ends_at(self, text: str, cut: int, floor: int) -> bool:
+        """Whether `text` holds a stop sequence at `cut` that ends after `floor` characters."""
+        return any(text.startswith(s, cut) and cut + len(s) > floor for s in self.stop)
