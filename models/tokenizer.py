@@ -22,6 +22,14 @@ from .errors import CheckpointError
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+def _byte_level_table() -> dict[str, int]:
+    """The character a byte-level BPE (GPT-2's convention) writes for each byte: printable Latin-1
+    bytes stand for themselves, the other 68 are shifted to the characters from U+0100 on."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(0x100 + n): b for n, b in enumerate(shifted)}}
+
+
 def _one_line(text) -> str:
     return " ".join(str(text).split())
 
@@ -39,6 +47,7 @@ class Tokenizer:
             raise CheckpointError(f"cannot read {f}: {_one_line(e)}") from None
         self.size = self._tok.get_vocab_size(with_added_tokens=True)
         self._byte_fallback = '"ByteFallback"' in text      # its decoder joins runs of <0xNN> tokens
+        self._byte_level = _byte_level_table() if '"ByteLevel"' in text else None
         self.chat_template, self._specials, self._template = None, {}, None
         self._template_source = ""
         cfg = path / "tokenizer_config.json"
@@ -114,6 +123,18 @@ class Tokenizer:
             while n and _BYTE_TOKEN.fullmatch(self._tok.id_to_token(int(ids[n - 1])) or ""):
                 n -= 1
         return n
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes of one token's text (OpenAI's logprob `bytes`): its UTF-8, except for a token that
+        holds part of a character (its text alone is U+FFFD), whose own bytes are given: <0xNN> with a
+        byte-fallback decoder, the byte-level characters of a byte-level BPE."""
+        text = self.decode([i])
+        piece = self._tok.id_to_token(int(i)) if "\ufffd" in text else None
+        if piece is not None and self._byte_fallback and _BYTE_TOKEN.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        if piece is not None and self._byte_level is not None and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        return text.encode("utf-8")
 
     def token_id(self, token: str) -> int | None:
         """The id of a token string (None if the tokenizer has no such token)."""

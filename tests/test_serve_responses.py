@@ -21,6 +21,9 @@ class Tok:
     def decode(self, ids):
         return "".join(PIECES[i] for i in ids)
 
+    def token_bytes(self, i):
+        return PIECES[i].encode()
+
 
 def job(index=0, sample=0, prompt=(9, 9, 9), chat=False, echo="", logprobs=False, top=None, temperature=0.0,
         seed=0, ignored=(), batch_size=2, started=1.5):
@@ -180,3 +183,21 @@ def test_streamed_text_is_never_undone_by_later_bytes(tmp_path):
     ids = tok.encode("é€ab", special=False)                # valid: each character as soon as its bytes are in
     answer = Answer(tok, 100, ["b"], [])
     assert _pieces(answer, ids, [1] * len(ids)) == ["", "", "", "", "", "", "é€a", "", ""]
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
+def test_chat_logprob_bytes_of_a_token_that_holds_part_of_a_character(kind, tmp_path):
+    """A token's `bytes` are its own where its text alone is U+FFFD (a byte-level BPE piece or a <0xNN>
+    token of a multi-byte character): they concatenate to the answer's UTF-8 (were EF BF BD each)."""
+    from models import Tokenizer
+    from support import byte_fallback_tokenizer
+
+    tok = Tokenizer("models/default") if kind == "byte-level" else byte_fallback_tokenizer(tmp_path)
+    ids = tok.encode("€é日", special=False)
+    assert tok.decode(ids) == "€é日" and all(tok.decode([i]) in ("", "\ufffd") for i in ids)
+    spec = job(chat=True, top=1, logprobs=True).spec
+    out = token_logprobs(tok, spec, answer(completion_tokens=len(ids)),
+                         result(ids=ids, probs=[0.5] * len(ids), top=[[(i, 0.5)] for i in ids]))
+    content = out["content"]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "€é日"
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]

@@ -126,11 +126,11 @@ def logprob_entries(tok, spec, ids: list[int], probs: list[float], tops: list, o
     tokens = [text([t]) for t in ids]
     lps = [_logprob(p) for p in probs]
     alts = [[(text([i]), _logprob(p)) for i, p in (top or [])[:k]] for top in tops]
-    if spec.chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
-                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))}
-                                              for a, alp in alt]}
-                            for t, lp, alt in zip(tokens, lps, alts)]}, offset
+    if spec.chat:       # bytes: a token's own, also where it holds part of a character (its text is U+FFFD)
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(tok.token_bytes(i)),
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(tok.token_bytes(j))}
+                                              for (a, alp), (j, _) in zip(alt, top or [])]}
+                            for t, i, lp, alt, top in zip(tokens, ids, lps, alts, tops)]}, offset
     offsets = []
     for t in tokens:
         offsets.append(offset)
