@@ -303,7 +303,7 @@ class PsdLM(LM):
         self.options = given
         block = given.get("block_length", DecodeConfig().block_length)
         # checked now, at construction: a bad option fails before any data is read
-        self.decode_config(self.explicit_gen_length or block)
+        self._aligned = self.decode_config(self.explicit_gen_length or block).aligned(self.mc)
         device = _device(m["device"], strict=True) if m["device"] is not None else _device(harness.get("device"), strict=False)
 
         self.model_dir, self.dtype_name, self.batch_size = model_dir, m["dtype"], m["batch_size"]
@@ -436,7 +436,9 @@ class PsdLM(LM):
             keep = G if want is None else min(want, G)
         else:
             keep = self.default_gen_toks if want is None else want
-            G = math.ceil(keep / block) * block
+            # blocks counted from the sequence's start (LLaDA2's --align auto) take any gen length: a canvas
+            # rounded up would decode blocks past max_gen_toks (calls and window room for nothing)
+            G = keep if self._aligned else math.ceil(keep / block) * block
         return G, keep, until
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -521,6 +523,23 @@ class PsdLM(LM):
             forwards += 1
         return total / mc_num, forwards
 
+    def _blocks(self, P: int, T: int) -> list[tuple[int, int]]:
+        """The target's spans [a, b) estimated apart: the whole target, or on a block-causal model
+        (LLaDA2) one span per attention block it touches (blocks counted from the prefix's first token),
+        each given the clean context and earlier spans, as the model generates them block by block."""
+        size = self.mc.attention_block if self.mc.attention == "block_causal" else None
+        if size is None or T == 0:
+            return [(0, T)]
+        cuts = [0, *range(size - P % size, T, size), T]
+        return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+    def _refuse_uniform(self, kind: str) -> None:
+        """A uniform-noise model (no mask token: DiffusionGemma) has no masked-diffusion estimate."""
+        if self.mc.mask_token_id is None:
+            raise InputError(f"{kind} is not supported for a {self.mc.family} model: it diffuses from uniform noise "
+                             f"(no mask token), and the adapter's log-likelihood is the masked-diffusion estimate; "
+                             f"run generate_until tasks with it")
+
     def _is_greedy(self, prefix: list[int], target: list[int]) -> tuple[bool, int]:
         """Whether one-token-per-step greedy decoding of len(target) tokens after prefix yields
         target (LLaDA's suffix_greedy_prediction: the most confident position each step)."""
@@ -548,7 +567,11 @@ class PsdLM(LM):
                              f"model's window of {self.max_length} tokens beside a context (no rolling windows)")
         prefix = self._fit(prefix, self.max_length - len(target), req, f"a context (before a {len(target)}-token target)")
         t0 = time.perf_counter()
-        ll, forwards = self.elbo(prefix, target, seed=self._seed(kind, *map(str, req.args)))
+        ll, forwards = 0.0, 0
+        for n, (a, b) in enumerate(self._blocks(len(prefix), len(target))):      # one span unless block-causal
+            extra = () if n == 0 else (f"block {n}",)
+            part, f = self.elbo(prefix + target[:a], target[a:b], seed=self._seed(kind, *map(str, req.args), *extra))
+            ll, forwards = ll + part, forwards + f
         is_greedy, calls = self._is_greedy(prefix, target) if greedy else (None, 0)
         self._count(req.task_name, kind, requests=1, calls=forwards + calls, seconds=time.perf_counter() - t0)
         return ll, is_greedy
@@ -562,7 +585,7 @@ class PsdLM(LM):
         prefix, target = first
         prefix = prefix or [self.mc.eos_token_id]
         rows = min(self.batch_size, self.mc_num)
-        forwards = math.ceil(self.mc_num / rows)
+        forwards = math.ceil(self.mc_num / rows) * len(self._blocks(len(prefix), len(target)))    # per span
         greedy = len(target) if kind == "loglikelihood" else 0          # the is_greedy check: one call per token
         cost = ""
         room = self.max_length - len(target)
@@ -584,6 +607,7 @@ class PsdLM(LM):
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         from tqdm import tqdm
 
+        self._refuse_uniform("loglikelihood")
         if requests:
             self._warn_default_mc_num("loglikelihood", requests, self._encode_pair(*requests[0].args[:2]))
         out = []
@@ -597,6 +621,7 @@ class PsdLM(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from tqdm import tqdm
 
+        self._refuse_uniform("loglikelihood_rolling")
         if requests:
             self._warn_default_mc_num("loglikelihood_rolling", requests, ([], self.tok.encode(requests[0].args[0])))
         out = []

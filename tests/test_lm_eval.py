@@ -355,6 +355,66 @@ def test_is_greedy_and_rolling():
         lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("1 + 2 = 3. " * 60,), 0, ("t", 4, 1))], True)
 
 
+# ---------------------------------------------------------------------- the newer families
+@pytest.fixture(scope="module")
+def family_ckpt(tmp_path_factory):
+    from models.random_checkpoint import make_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    return lambda family: make_checkpoint(root / family, family, seed=3)[0] if not (root / family).is_dir() \
+        else root / family
+
+
+def test_llada2_canvas_is_max_gen_toks(family_ckpt):
+    """Blocks counted from the sequence's start (LLaDA2, --align auto) take any gen length: the canvas
+    is max_gen_toks itself, not rounded up to the block, which would decode (and count) blocks past
+    it and refuse prompts that fit the window beside max_gen_toks."""
+    from lm_eval.api.instance import Instance
+
+    ck = family_ckpt("llada2")
+    lm = PsdLM(model=str(ck), block_length=32)
+    assert lm._plan({"max_gen_toks": 10}) == (10, 10, ())
+    prompt = " ".join(["t5"] * 20)
+    ids = lm.tok.encode(prompt)
+    req = Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 10}), 0, ("t", 0, 1))
+    (text,) = lm.generate_until([req], disable_tqdm=True)
+    r = Decoder(lm.model, DecodeConfig(gen_length=10, block_length=32).validate()).generate([ids])[0]
+    assert text == lm.tok.decode(r.token_ids[:10])
+    assert lm.stats_summary()["t"]["generate_until"]["calls"] == r.calls
+    wide = Decoder(lm.model, DecodeConfig(gen_length=32, block_length=32).validate()).generate([ids])[0]
+    assert wide.token_ids[:10] == r.token_ids[:10] and wide.calls > r.calls    # what rounding up cost
+
+
+def test_llada2_loglikelihood_is_per_attention_block(family_ckpt):
+    """A block-causal model generates block by block, each block given the clean earlier ones: the
+    estimate is one masked-diffusion ELBO per attention block of the target. A 2-token target
+    across a block boundary is then two single-token terms, each exact."""
+    lm = PsdLM(model=str(family_ckpt("llada2")), mc_num=4, batch_size=2)
+    size = lm.mc.attention_block
+    prefix = [5 + i % 20 for i in range(2 * size - 1)]          # the target's 2 tokens straddle a boundary
+    target = [7, 9]
+    m = lm.mc.mask_token_id
+    first = float(lm._target_logp(torch.tensor([prefix + [m]]), len(prefix))[0, 0, 7])
+    second = float(lm._target_logp(torch.tensor([prefix + [7, m]]), len(prefix) + 1)[0, 0, 9])
+
+    class Req:
+        args, task_name, doc_id = ("c", "t"), "t", 0
+
+    ll, _ = lm._score(Req(), prefix, target, "loglikelihood", False)
+    assert ll == pytest.approx(first + second, abs=1e-5)
+
+
+def test_uniform_noise_model_refuses_loglikelihood(family_ckpt):
+    """DiffusionGemma has no mask token: no masked-diffusion estimate, one clear error, not a TypeError."""
+    from lm_eval.api.instance import Instance
+
+    lm = PsdLM(model=str(family_ckpt("diffusion_gemma")), mc_num=2)
+    for kind, args in (("loglikelihood", ("t5 t9", " t3")), ("loglikelihood_rolling", ("t5 t9 t3",))):
+        with pytest.raises(InputError, match=f"^{kind} is not supported for a diffusion_gemma model: it diffuses "
+                                             f"from uniform noise"):
+            getattr(lm, kind)([Instance(kind, {}, args, 0, ("t", 0, 1))], True)
+
+
 # ---------------------------------------------------------------------- the CLI
 def _cli(args, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
