@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
+from engine.config import text_ids
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_gemm_flag, add_plugin_flag, add_threads_flag,
                              checked_gemm, guarded, plugins_loaded, progress, set_threads)
 from engine.options import OPTIONS, RUNTIME, resolve, spellings
@@ -171,6 +172,8 @@ def main(argv=None) -> int:
                                                  "model, diffusion_gemma, which decodes eb only)")
     p.add_argument("--limit", type=int)
     p.add_argument("--few-shot", type=int, help="examples in the prompt (default: 5 gsm8k, 3 mbpp, 0 otherwise)")
+    p.add_argument("--chat", action="store_true", help="each prompt, its few-shot examples included, as one user "
+                                                      "turn of the checkpoint's chat template (an instruct model)")
     p.add_argument("--gen-length", type=int, help="tokens to generate (default: 256 gsm8k, mbpp, humaneval; 64 math, code)")
     p.add_argument("--block-length", type=int, help="default 32; a uniform-noise model's canvas length")
     p.add_argument("--cache", choices=list(CACHE_MODES), help="default none; a uniform-noise model takes none "
@@ -381,7 +384,7 @@ def _run(args, ending: _Ending) -> int:
     mc = ModelConfig.from_dir(args.model)
     k, shots, examples = _few_shots(task, problems, args, mc.max_length)
     tok = Tokenizer(args.model)
-    _check_window(task, problems, k, examples, tok.encode, mc, specs, args)
+    _check_window(task, problems, k, examples, prompt_encoder(tok, args.chat), mc, specs, args)
     if getattr(task, "RUNS_CODE", False):           # generated code will run: is the sandbox usable here?
         check_sandbox(sandbox_mode(args))
     # the outputs (rank 0's) are checked writable before any decoding, a failure every rank's
@@ -402,6 +405,15 @@ def _run(args, ending: _Ending) -> int:
                                            for col in zip(*parts)])
     _report(args, task, problems, records, walls, results, traces, device, world, out)
     return 0
+
+
+def prompt_encoder(tok: Tokenizer, chat: bool):
+    """A prompt text's ids: as written, or (--chat) as one user turn of the checkpoint's chat template,
+    encoded as engine.generate --chat encodes it (a checkpoint without a template: one error line)."""
+    if not chat:
+        return tok.encode
+    tok.apply_chat_template("")                     # no template, or no jinja2: said before anything runs
+    return lambda text: text_ids(tok, tok.apply_chat_template(text), chat=True)
 
 
 def _check_window(task, problems: list[dict], k: int, examples, encode, mc: ModelConfig, specs, args) -> None:
@@ -532,7 +544,8 @@ def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, 
     each method's records to `out` as they are produced; where it cannot, every rank stops there
     (rank 0's `error:` line and status 2, the others status 0: their part was done)."""
     mine = problems[rank::world]
-    prompts = [tok.encode(task.format_prompt(pr, shots)) for pr in mine]
+    encode = prompt_encoder(tok, args.chat)
+    prompts = [encode(task.format_prompt(pr, shots)) for pr in mine]
     records, walls, traces, results, parts = [], {}, {}, {}, []
     metrics = getattr(task, "METRICS", ())      # gsm8k: lm-eval's strict-match and flexible-extract, both
     by_id = {p["id"]: p for p in problems}

@@ -66,6 +66,41 @@ def test_plots_and_speculative_rows(tiny, tmp_path, capsys):
         assert (tmp_path / "fig" / f).stat().st_size > 1000
 
 
+def test_chat_puts_each_prompt_in_the_chat_template(tmp_path, capsys):
+    """--chat: each prompt (few-shot examples included) is one user turn of the checkpoint's template,
+    encoded as engine.generate --chat encodes it; without a template, one error line before decoding."""
+    from bench.tasks import get_task
+    from bench.tasks.common import truncate_at
+    from engine import generate
+    from engine.config import text_ids
+    from models import Tokenizer, load_model
+
+    tiny = make_checkpoint(tmp_path / "m", "llada", seed=2)[0]          # no EOS bias: answers of 8 tokens
+    args = ["--model", str(tiny), "--task", "math", "--methods", "greedy", "--limit", "3", "--few-shot", "1",
+            "--gen-length", "8", "--block-length", "8", "--quiet"]
+    got = {}
+    for chat in ([], ["--chat"]):
+        out = tmp_path / f"{len(chat)}.jsonl"
+        assert eval_main(args + chat + ["--out", str(out)]) == 0
+        got[bool(chat)] = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    assert got[True] != got[False] and all(got[True])
+    task, tok = get_task("math"), Tokenizer(tiny)
+    problems, shots = task.load(None, limit=3), task.few_shot(1, None, heldout=None)
+    ids = [text_ids(tok, tok.apply_chat_template(task.format_prompt(p, shots)), chat=True) for p in problems]
+    assert ids[0][:1] == tok.encode("<|user|>", special=False)[:1]
+    want = [tok.decode(r.token_ids) for r in generate(load_model(tiny), ids, method="greedy", gen_length=8,
+                                                      block_length=8)]
+    assert [truncate_at(w, task.STOP_SEQUENCES) for w in want] == got[True]
+    (tiny / "tokenizer_config.json").rename(tmp_path / "saved.json")
+    try:
+        assert eval_main(args + ["--chat", "--out", str(tmp_path / "none.jsonl")]) == 2
+    finally:
+        (tmp_path / "saved.json").rename(tiny / "tokenizer_config.json")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --chat needs a chat_template in tokenizer_config.json, and this checkpoint has none"]
+    assert not (tmp_path / "none.jsonl").exists()
+
+
 def test_progress_lines_in_a_log_and_threads(tiny, tmp_path, capsys, monkeypatch):
     """stderr is no terminal here (a log): each method's progress is lines, one per batch with
     PSD_PROGRESS_SECONDS=0; --threads sets torch's threads before the weights are read."""
