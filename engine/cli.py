@@ -192,8 +192,7 @@ def main(argv=None) -> int:
     if launched():                               # torchrun: every rank runs the command, rank 0 prints
         from .distributed import leader_prints
 
-        with leader_prints():
-            return _command(argv, ranks=True)
+        return leader_prints(_command, argv, ranks=True)
     return _command(argv)
 
 

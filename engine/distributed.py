@@ -36,7 +36,10 @@ import collections
 import contextlib
 import itertools
 import math
+import io
 import os
+import sys
+import time
 import weakref
 
 import torch
@@ -89,17 +92,32 @@ def from_leader(fn):
     return payload[0]
 
 
-@contextlib.contextmanager
-def leader_prints():
-    """Inside: rank 0 prints, the other ranks' stdout and stderr are discarded (every rank sees
-    the same arguments and files, and what only rank 0 reads comes through `from_leader`, so
-    their output and `error:` lines are rank 0's). An exception leaving the block is printed
-    by every rank (a crash is never hidden)."""
-    if int(os.environ.get("RANK", "0") or 0) == 0:
-        yield
-        return
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        yield
+FOLLOWER_GRACE_S = 10.0     # how long a failed follower waits for rank 0 to print the same error
+
+
+def leader_prints(command, *args, **kwargs) -> int:
+    """Run a command line `command(*args, **kwargs)` on this rank: rank 0 prints, the other ranks'
+    stdout is discarded and their stderr held (every rank sees the same arguments and files, and
+    what only rank 0 reads comes through `from_leader`, so their output and `error:` lines are
+    rank 0's). A follower that fails waits `FOLLOWER_GRACE_S` before it exits: torchrun stops the
+    launch when the first rank exits, and a follower that fails first would stop rank 0 before its
+    `error:` line is out. Still running after that, the failure is the follower's own, and its held
+    lines are printed as `error: rank N: ...`. An exception leaving the command is printed by every
+    rank (a crash is never hidden)."""
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if rank == 0:
+        return command(*args, **kwargs)
+    held = io.StringIO()
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(held):
+        try:
+            code = command(*args, **kwargs)
+        except SystemExit as e:                     # argparse's usage error
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if code not in (0, 130):                        # (130: interrupted, as every rank is)
+        time.sleep(FOLLOWER_GRACE_S)                # torchrun stops this rank here when rank 0 fails too
+        for line in held.getvalue().splitlines():
+            print(f"error: rank {rank}: {line[7:]}" if line.startswith("error: ") else line, file=sys.stderr)
+    return code
 
 
 def run_ranks(body, *args, guard) -> int:

@@ -489,6 +489,48 @@ def test_torchrun_refuses_a_model_that_does_not_split(tmp_path):
     assert "Traceback" not in p.stderr.split("error:")[0]          # (torchrun's own report follows it)
     assert "exitcode: 2" in p.stderr and "terminate called" not in p.stderr, p.stderr[-3000:]
 
+    # rank 0 made slow (a plugin every rank imports first): rank 1 fails first, and its launch must
+    # not stop rank 0 before rank 0's error line is out (a flake on a loaded machine)
+    (tmp_path / "slow_leader.py").write_text("import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n")
+    p = _torchrun(["--plugin", str(tmp_path / "slow_leader.py"), "--model", str(path), "--device", "cpu", "t1 t2"])
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode != 0 and len(errors) == 1 and "num_kv_heads 3" in errors[0], p.stderr[-3000:]
+
+
+def _fails(message: str, code: int = 2):
+    def command():
+        print("output", flush=True)
+        print(message, file=sys.stderr)
+        return code
+    return command
+
+
+def test_a_failed_follower_waits_for_rank_0_then_prints_its_own_error(monkeypatch, capsys):
+    from engine import distributed
+
+    monkeypatch.setattr(distributed, "FOLLOWER_GRACE_S", 0.4)
+    monkeypatch.setenv("RANK", "0")
+    assert distributed.leader_prints(_fails("error: bad")) == 2
+    assert capsys.readouterr() == ("output\n", "error: bad\n")          # rank 0: as it is, at once
+    monkeypatch.setenv("RANK", "1")
+    t0 = time.perf_counter()
+    assert distributed.leader_prints(_fails("error: shard 1 unreadable")) == 2
+    assert time.perf_counter() - t0 >= 0.4                               # time for rank 0's line first
+    assert capsys.readouterr() == ("", "error: rank 1: shard 1 unreadable\n")
+    t0 = time.perf_counter()
+    assert distributed.leader_prints(_fails("a warning", code=0)) == 0
+    assert time.perf_counter() - t0 < 0.4 and capsys.readouterr() == ("", "")      # success: silent, no wait
+
+
+def test_a_follower_usage_error_is_held_then_one_line(monkeypatch, capsys):
+    from engine import cli, distributed
+
+    monkeypatch.setattr(distributed, "FOLLOWER_GRACE_S", 0.0)
+    monkeypatch.setenv("RANK", "1")
+    assert distributed.leader_prints(cli._command, ["--no-such-flag"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: rank 1: ") and "--no-such-flag" in err and err.count("\n") == 1
+
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1])
