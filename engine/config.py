@@ -217,6 +217,14 @@ def text_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
     return ids
 
 
+def exact_int(value) -> int:
+    """`value` as an int: ints and integer numpy/torch scalars (operator.index), never floats, and
+    never bools (operator.index takes True as 1); anything else is a TypeError."""
+    if isinstance(value, bool):
+        raise TypeError("a bool is not an index")
+    return operator.index(value)
+
+
 def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | list[int] | None = None) -> list[list[int]]:
     """Validate a batch of prompts (token-id lists) against a model config, each to be followed by
     `gen_length` generated positions (default the config's; a list: one per prompt); returns int lists."""
@@ -226,8 +234,10 @@ def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | list[int] | N
     for n, (p, gen_length) in enumerate(zip(prompts, _gen_lengths(mc, dc, gen_length, len(prompts)))):
         if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
             raise InputError(f"prompt {n} is not a list of token ids")
-        try:     # operator.index: ints (and integer numpy/torch scalars), never floats or bools
-            ids = [operator.index(t) for t in p if not isinstance(t, bool) or _no_bool(n)]
+        if any(isinstance(t, bool) for t in p):
+            raise InputError(f"prompt {n} holds a bool where a token id belongs")
+        try:
+            ids = [exact_int(t) for t in p]
         except TypeError:
             raise InputError(f"prompt {n} holds a token id that is not an integer") from None
         if not ids:
@@ -266,5 +276,3 @@ def check_gen_length(mc, dc: DecodeConfig, g) -> int:
     return g
 
 
-def _no_bool(n: int):
-    raise InputError(f"prompt {n} holds a bool where a token id belongs")

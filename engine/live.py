@@ -26,13 +26,12 @@ temperature 0 its tokens are those of a single-request run.
 """
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .config import check_prompts
+from .config import check_prompts, exact_int
 from .errors import InputError
 from .results import SequenceResult, collect_results, ended_rows
 from .state import Batch
@@ -101,12 +100,12 @@ class LiveBatch:
         A handle that has finished or was cancelled already is left as it is; one `add` never
         returned is an InputError."""
         try:
-            known = not isinstance(handle, bool) and 0 <= operator.index(handle) < self.issued
+            known = 0 <= exact_int(handle) < self.issued
         except TypeError:
             known = False
         if not known:
             raise InputError(f"cancel: {handle!r} is not a handle this batch gave out (add returns them)")
-        handle = operator.index(handle)
+        handle = int(handle)
         if any(w[0] == handle for w in self.waiting):
             self.waiting = [w for w in self.waiting if w[0] != handle]
         elif handle in self.handles:

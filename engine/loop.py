@@ -19,7 +19,6 @@ a call); never one value per position, draft or node.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import shutil
 import time
 
@@ -32,7 +31,7 @@ from .ahead import carry_over, draft_across, first_output, keep_ahead
 from .budget import DraftBudget, shape_key
 from .cost import host_key
 from .cache import CACHE_MODES, Window
-from .config import DecodeConfig, check_prompts
+from .config import DecodeConfig, check_prompts, exact_int
 from .errors import InputError
 from .graph import make_plan
 from .graphs import graphed
@@ -655,12 +654,8 @@ def _check_config(config) -> None:
 def _batch_rows(state: BatchState, rows) -> list[int]:
     """`rows` as ints, each a row of `state`'s batch (0 .. B-1, no negative index); else InputError."""
     n = 0 if state.batch is None else state.batch.x.shape[0]
-    out = []
     try:
-        for r in rows:
-            if isinstance(r, bool):         # operator.index takes True as 1
-                raise TypeError
-            out.append(operator.index(r))
+        out = [exact_int(r) for r in rows]
     except TypeError:
         raise InputError(f"rows must be a list of batch row indices, got {rows!r}") from None
     for r in out:
