@@ -134,7 +134,7 @@ class ServerProcess:
                 return
             if not self.early:     # still loading: a completion is refused with 503 too
                 c = httpx.post(self.url + "/v1/completions", json={"model": NAME, "prompt": "x"},
-                               headers=self._auth(), timeout=5)
+                               headers=self._auth(), timeout=60)
                 self.early = [("health", r.status_code, r.json()), ("completion", c.status_code, c.json())]
             time.sleep(0.1)
         raise RuntimeError(f"server not ready after {START_TIMEOUT} s: {self.log.read_text()[-2000:]}")
@@ -172,10 +172,14 @@ class ServerProcess:
 
 
 def start_servers(*servers: ServerProcess):
-    """Wait until every server is ready, yield them, and stop them all (a fixture's body)."""
+    """Wait until every server is ready (all at once: one still loading is seen loading, whichever
+    is ready first), yield them, and stop them all (a fixture's body)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     try:
-        for s in servers:
-            s.wait_ready()
+        with ThreadPoolExecutor(len(servers)) as pool:
+            for f in [pool.submit(s.wait_ready) for s in servers]:
+                f.result()
         yield servers
     finally:
         for s in servers:

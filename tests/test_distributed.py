@@ -45,7 +45,7 @@ from models.random_checkpoint import make_checkpoint  # noqa: E402
 from support import free_port, random_canvas  # noqa: E402
 
 WORLD = 2
-TIMEOUT = 150                    # seconds a launch may take before its ranks are killed
+TIMEOUT = 600                    # seconds a launch may take before its ranks are killed (a hang, not slowness)
 # (name, family, overrides): every split kind and bias the families have
 MODELS = [
     ("llada", "llada", {}),
@@ -517,9 +517,10 @@ def test_a_failed_follower_waits_for_rank_0_then_prints_its_own_error(monkeypatc
     assert distributed.leader_prints(_fails("error: shard 1 unreadable")) == 2
     assert time.perf_counter() - t0 >= 0.4                               # time for rank 0's line first
     assert capsys.readouterr() == ("", "error: rank 1: shard 1 unreadable\n")
+    monkeypatch.setattr(distributed, "FOLLOWER_GRACE_S", 30.0)
     t0 = time.perf_counter()
     assert distributed.leader_prints(_fails("a warning", code=0)) == 0
-    assert time.perf_counter() - t0 < 0.4 and capsys.readouterr() == ("", "")      # success: silent, no wait
+    assert time.perf_counter() - t0 < 10 and capsys.readouterr() == ("", "")       # success: silent, no wait
 
 
 def test_a_follower_usage_error_is_held_then_one_line(monkeypatch, capsys):

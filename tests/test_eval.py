@@ -185,7 +185,7 @@ def test_torchrun_two_ranks_gather_one_result(tiny, tmp_path):
     assert fs["contribution"] == f1["contribution"] and fs["contribution"]
 
 
-def _two_ranks(argv: list[str], timeout: float = 90) -> list[tuple[int, str]]:
+def _two_ranks(argv: list[str], timeout: float = 300) -> list[tuple[int, str]]:
     """`python -m bench.eval ARGV` on 2 gloo ranks launched by hand (torchrun's environment, so each
     rank's exit status and stderr are its own, and no launcher stops the others): (status, stderr)
     per rank. A rank still running after `timeout` seconds fails the test: it waits in a collective."""

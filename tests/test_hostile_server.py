@@ -424,7 +424,7 @@ def test_bad_port_or_host_is_one_error_line(tmp_path, monkeypatch, capsys):
     def run(flags, script=None):
         argv = [sys.executable] + ([str(script)] if script else ["-m", "engine.serve"])
         return subprocess.run(argv + ["--model", str(MODEL_DIR), "--device", "cpu", *with_port(flags)], cwd=REPO,
-                              env=ENV, capture_output=True, text=True, timeout=120)
+                              env=ENV, capture_output=True, text=True, timeout=300)
 
     try:
         with ThreadPoolExecutor(3) as pool:

@@ -123,7 +123,7 @@ def test_infinite_loop_times_out_quickly():
     t = time.monotonic()
     r = run_python("while True:\n    pass\n", timeout_s=1.0)
     assert not r.ok and r.status == "timeout"
-    assert time.monotonic() - t < 4.0
+    assert time.monotonic() - t < 15.0          # killed, not run on: generous for a loaded machine
 
 
 def test_loop_that_swallows_the_timer_is_still_killed():
@@ -131,7 +131,7 @@ def test_loop_that_swallows_the_timer_is_still_killed():
     t = time.monotonic()
     r = run_python(code, timeout_s=0.5)
     assert not r.ok and r.status == "timeout"
-    assert time.monotonic() - t < 4.0
+    assert time.monotonic() - t < 15.0          # killed, not run on: generous for a loaded machine
 
 
 def test_sleep_times_out():
@@ -238,18 +238,20 @@ def test_batch_matches_individual_runs_and_survives_everything():
 
 
 @pytest.mark.slow
-def test_batch_is_fast_for_many_programs():
+def test_batch_is_fast_for_many_programs(monkeypatch):
     """A batch starts one interpreter: much cheaper than one run_python per
-    program (each program still gets its own processes and namespaces)."""
-    t = time.monotonic()
+    program (each program still gets its own processes and namespaces). Counted,
+    not timed: a timing bound fails on a loaded machine."""
+    import bench.sandbox as sandbox
+
+    starts = []
+    real = sandbox.subprocess.Popen
+    monkeypatch.setattr(sandbox.subprocess, "Popen", lambda *a, **kw: starts.append(a) or real(*a, **kw))
     single = [run_python("assert True\n") for _ in range(5)]
-    per_call = (time.monotonic() - t) / 5
-    t = time.monotonic()
+    assert len(starts) == 5
     res = run_python_batch([f"assert {i} * 2 == {2 * i}\n" for i in range(200)])
-    took = time.monotonic() - t
-    assert all(r.ok for r in res) and all(r.ok for r in single)
-    assert took < 200 * per_call / 1.5
-    assert took < 30.0
+    assert len(starts) == 6                       # the 200 programs: one interpreter
+    assert all(r.ok for r in res) and all(r.ok for r in single) and len(res) == 200
 
 
 # ---------------------------------------------------------------- isolation level

@@ -77,17 +77,19 @@ def test_a_short_request_is_not_starved_by_a_many_choice_request(server):
         while (h := server.health())["running"] < ROWS:
             assert time.monotonic() < deadline, h
             time.sleep(0.01)
-        assert h["queue"] == 1 and h["queued_choices"] >= 64 - 2 * ROWS
+        # the big request's choices wait in the queue (a loaded machine may finish a few before this poll)
+        assert h["queue"] == 1 and h["queued_choices"] > 0 and h["queued_choices"] + ROWS + len(finished) >= 64 - ROWS
         assert _gauges(server) == {"psd_queue_length": 1, "psd_running_batch_size": ROWS}
-        full = _post(server, {**SHORT, "n": QUEUE - h["queued_choices"] + 2 * ROWS})
+        full = _post(server, {**SHORT, "n": 64})          # over the queue's room while 3+ choices wait
         assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
+        at_submit = len(finished)
         r = _post(server, SHORT, timeout=30 * alone + 30)
-        done_then = len(finished)
+        done_then = len(finished) - at_submit            # the big request's choices answered meanwhile
         big.close()                                  # the big request's client goes away: its rows are dropped
     assert r.status_code == 200
     assert r.json()["choices"][0]["text"] == alone_answers[0].json()["choices"][0]["text"]    # temperature 0
     assert done_then < 64 // 4, f"the short request waited for {done_then} of the big request's 64 choices"
-    assert r.elapsed.total_seconds() < 10 * alone, (r.elapsed.total_seconds(), alone)
+    assert r.elapsed.total_seconds() < 10 * alone + 5, (r.elapsed.total_seconds(), alone)     # (+5: a loaded machine)
     deadline = time.monotonic() + 60
     while _gauges(server) != {"psd_queue_length": 0, "psd_running_batch_size": 0}:     # idle again
         assert time.monotonic() < deadline, _gauges(server)
@@ -238,9 +240,10 @@ def test_a_request_that_is_not_http_gets_a_json_400_with_a_request_id(server, se
         time.sleep(0.05)
 
 
-def _closed_after(sock: socket.socket, limit: float) -> tuple[float, bytes]:
-    """Seconds until the server closes `sock` (reading what it sent), at most `limit`."""
-    t0, got = time.monotonic(), b""
+def _closed_after(sock: socket.socket, limit: float, t0: float | None = None) -> tuple[float, bytes]:
+    """Seconds from `t0` (default now; pass the time before connecting, since the server's clock
+    starts at accept) until the server closes `sock` (reading what it sent), at most `limit`."""
+    t0, got = time.monotonic() if t0 is None else t0, b""
     sock.settimeout(limit)
     while True:
         piece = sock.recv(4096)
@@ -252,24 +255,27 @@ def _closed_after(sock: socket.socket, limit: float) -> tuple[float, bytes]:
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/compl", b"GET /health HTTP/1.1\r\nHost: x\r\n"])
 def test_a_client_that_stalls_in_its_request_head_is_disconnected(server, sent):
     """--read-timeout 1: a connection that sends nothing, half a request line, or headers without
-    their end is closed after about a second (uvicorn alone never closes the last two)."""
+    their end is closed after about a second (uvicorn alone never closes the last two). (Bounds
+    generous for a loaded machine: never at once, never left open.)"""
+    t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(sent)
-        seconds, got = _closed_after(s, 15)
-    assert 0.8 < seconds < 5 and got == b""
+        seconds, got = _closed_after(s, 30, t0)
+    assert 0.9 < seconds < 15 and got == b""
 
 
 def test_a_client_that_stalls_in_its_body_gets_408(server):
+    t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{")
-        seconds, got = _closed_after(s, 15)
-    assert 0.8 < seconds < 5 and got.startswith(b"HTTP/1.1 408 ") and b"--read-timeout" in got
+        seconds, got = _closed_after(s, 30, t0)
+    assert 0.9 < seconds < 15 and got.startswith(b"HTTP/1.1 408 ") and b"--read-timeout" in got
     # a keep-alive connection is given the same time for its next request, then closed
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        seconds, got = _closed_after(s, 15)
-    assert got.startswith(b"HTTP/1.1 200 ") and seconds < 5
+        seconds, got = _closed_after(s, 30)
+    assert got.startswith(b"HTTP/1.1 200 ") and seconds < 15
 
 
 @pytest.mark.slow
