@@ -542,10 +542,13 @@ class PsdLM(LM):
 
     def _is_greedy(self, prefix: list[int], target: list[int]) -> tuple[bool, int]:
         """Whether one-token-per-step greedy decoding of len(target) tokens after prefix yields
-        target (LLaDA's suffix_greedy_prediction: the most confident position each step)."""
+        target (LLaDA's suffix_greedy_prediction: the most confident position each step, over the
+        whole target; a block-causal model (LLaDA2) decodes it as it generates, attention block by
+        block, each given the finished ones before it)."""
         if not target:
             return True, 0
-        dc = DecodeConfig(method="greedy", gen_length=len(target), block_length=len(target)).validate()
+        block = self.mc.attention_block if self.mc.attention == "block_causal" else len(target)
+        dc = DecodeConfig(method="greedy", gen_length=len(target), block_length=block).validate()
         r = Decoder(self.model, dc).generate([prefix])[0]
         return r.token_ids == list(target), r.calls
 

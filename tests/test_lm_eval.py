@@ -404,6 +404,19 @@ def test_llada2_loglikelihood_is_per_attention_block(family_ckpt):
     assert ll == pytest.approx(first + second, abs=1e-5)
 
 
+def test_llada2_is_greedy_decodes_block_by_block(family_ckpt):
+    """is_greedy on a block-causal model: a target that LLaDA2's own greedy decoding (attention block by
+    block) produces is greedy, wherever it starts in a block; decoded as one block over the whole target
+    (LLaDA's suffix_greedy_prediction), later blocks were unmasked before earlier ones and it was not."""
+    lm = PsdLM(model=str(family_ckpt("llada2")), mc_num=2, batch_size=2)
+    size = lm.mc.attention_block
+    for P in range(3, 3 + size):
+        prefix = [5 + i % 20 for i in range(P)]
+        dc = DecodeConfig(method="greedy", gen_length=size + 3, block_length=size).validate()
+        r = Decoder(lm.model, dc).generate([prefix])[0]
+        assert lm._is_greedy(prefix, list(r.token_ids)) == (True, r.calls), P
+
+
 def test_uniform_noise_model_refuses_loglikelihood(family_ckpt):
     """DiffusionGemma has no mask token: no masked-diffusion estimate, one clear error, not a TypeError."""
     from lm_eval.api.instance import Instance
