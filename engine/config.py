@@ -234,9 +234,10 @@ def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | list[int] | N
     for n, (p, gen_length) in enumerate(zip(prompts, _gen_lengths(mc, dc, gen_length, len(prompts)))):
         if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
             raise InputError(f"prompt {n} is not a list of token ids")
-        if any(isinstance(t, bool) for t in p):
-            raise InputError(f"prompt {n} holds a bool where a token id belongs")
         try:
+            p = list(p)                               # (an iterator is read once)
+            if any(isinstance(t, bool) for t in p):
+                raise InputError(f"prompt {n} holds a bool where a token id belongs")
             ids = [exact_int(t) for t in p]
         except TypeError:
             raise InputError(f"prompt {n} holds a token id that is not an integer") from None
@@ -274,5 +275,3 @@ def check_gen_length(mc, dc: DecodeConfig, g) -> int:
     if g % dc.block_length and not dc.aligned(mc):
         raise InputError(dc.replace(gen_length=g).unaligned())
     return g
-
-

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import io
 import itertools
 import math
-import io
 import os
 import sys
 import time
