@@ -106,11 +106,13 @@ def test_broken_pipe_is_quiet(ckpt):
 def test_api_prompt_ids_must_be_integers(ckpt):
     model = load_model(ckpt)
     for bad, msg in (([[5.0, 6.7]], "not an integer"), ([[True, 5]], "bool"), (["abc"], "not a list of token ids"),
-                     ([[5, None]], "not an integer")):
+                     ([[5, None]], "not an integer"), ([torch.tensor(5)], "not an integer")):
         with pytest.raises(InputError, match=msg):
             generate(model, bad, gen_length=8, block_length=8)
     ok = generate(model, [[torch.tensor(5), 6]], gen_length=8, block_length=8)
     assert ok[0].tokens >= 1
+    once = generate(model, [iter([5, 6])], gen_length=8, block_length=8)       # an iterator, read once
+    assert once[0].token_ids == generate(model, [[5, 6]], gen_length=8, block_length=8)[0].token_ids
 
 
 @pytest.mark.parametrize("method", ["greedy", "confidence", "psd"])
