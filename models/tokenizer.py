@@ -40,6 +40,12 @@ class Tokenizer:
 
         path = Path(path)
         f = path / "tokenizer.json"
+        if not os.path.lexists(f) and os.path.lexists(path / "tokenizer.model"):
+            raise CheckpointError(
+                f"{path} has no tokenizer.json, which the engine reads, only tokenizer.model (a SentencePiece "
+                f"model): write a tokenizer.json for it first, e.g. with transformers, sentencepiece and protobuf "
+                f"installed: AutoTokenizer.from_pretrained(\"{path}\").backend_tokenizer.save(\"{f}\"), and check "
+                f"that it encodes text as the checkpoint's own tokenizer does")
         text = read_text(f)              # a regular file of sane size, checked before it is opened
         try:
             self._tok = _Tok.from_str(text)
