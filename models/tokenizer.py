@@ -30,6 +30,21 @@ def _byte_level_table() -> dict[str, int]:
     return {**{chr(b): b for b in kept}, **{chr(0x100 + n): b for n, b in enumerate(shifted)}}
 
 
+def _drops_first_space(decoder) -> bool:
+    """Whether a tokenizer.json `decoder` removes the space a text's first token begins with."""
+    if not isinstance(decoder, dict):
+        return False
+    kind = decoder.get("type")
+    if kind == "Sequence":
+        return any(_drops_first_space(d) for d in decoder.get("decoders") or ())
+    if kind == "Strip":
+        return decoder.get("content") == " " and (decoder.get("start") or 0) > 0
+    if kind == "Metaspace":       # its prepended space is taken off the first token again
+        scheme = decoder.get("prepend_scheme")
+        return scheme in ("first", "always") if scheme is not None else bool(decoder.get("add_prefix_space", True))
+    return False
+
+
 def _one_line(text) -> str:
     return " ".join(str(text).split())
 
@@ -54,6 +69,7 @@ class Tokenizer:
         self.size = self._tok.get_vocab_size(with_added_tokens=True)
         self._byte_fallback = '"ByteFallback"' in text      # its decoder joins runs of <0xNN> tokens
         self._byte_level = _byte_level_table() if '"ByteLevel"' in text else None
+        self._anchor = self._left_context()
         self.chat_template, self._specials, self._template = None, {}, None
         self._template_source = ""
         cfg = path / "tokenizer_config.json"
@@ -119,6 +135,32 @@ class Tokenizer:
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids if int(i) >= 0 and self._tok.id_to_token(int(i)) is not None]
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def continuation(self, ids) -> str:
+        """The text `ids` add after earlier text (a completion after its prompt): `decode`, except where
+        the decoder drops the space a text begins with (SentencePiece-style: a `Strip` of leading spaces,
+        or `Metaspace`), which would join "Answer:" and " 42" as "Answer:42": there the first token's
+        space is kept (the ids are decoded after a plain token, whose text is then cut off)."""
+        if self._anchor is None:
+            return self.decode(ids)
+        base, text = self.decode([self._anchor]), self.decode([self._anchor, *ids])
+        return text[len(base):] if base and text.startswith(base) else self.decode(ids)
+
+    def _left_context(self) -> int | None:
+        """A plain token to decode a continuation after, where the decoder drops a text's first space
+        (else None: `continuation` is `decode`)."""
+        decoder = self._tok.decoder
+        try:
+            spec = json.loads(decoder.__getstate__()) if decoder is not None else None
+        except (AttributeError, TypeError, ValueError):
+            return None
+        if not _drops_first_space(spec):
+            return None
+        for probe in ("a", "x", "0", "."):
+            ids = self.encode(probe, special=False)
+            if ids and self.decode(ids[-1:]) == probe:
+                return ids[-1]
+        return None
 
     def settled(self, ids) -> int:
         """How many of `ids` (the start of a longer answer) have a text no later token changes: all but a

@@ -21,6 +21,8 @@ class Tok:
     def decode(self, ids):
         return "".join(PIECES[i] for i in ids)
 
+    continuation = decode
+
     def token_bytes(self, i):
         return PIECES[i].encode()
 
@@ -201,3 +203,31 @@ def test_chat_logprob_bytes_of_a_token_that_holds_part_of_a_character(kind, tmp_
     content = out["content"]
     assert bytes(b for c in content for b in c["bytes"]).decode() == "€é日"
     assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+
+
+def test_a_completion_keeps_the_space_a_sentencepiece_decoder_drops(tmp_path):
+    """A SentencePiece-style decoder (Llama's: Strip of a leading space) decodes "▁c" alone as "c", so a
+    completion of "x" that answers " c a" read "xc a" when echoed or joined to its prompt, and its logprob
+    tokens lacked their spaces. A completion's text and token texts keep the space (as OpenAI's and vLLM's
+    do); a chat message stands alone and starts without it."""
+    from engine.serve.answer import Answer
+    from support import byte_fallback_tokenizer
+
+    tok = byte_fallback_tokenizer(tmp_path)
+    prompt, whole = tok.encode("x", special=False), tok.encode("x c a", special=False)
+    ids = whole[len(prompt):]
+    assert tok.decode(ids) == "c a" and tok.continuation(ids) == " c a"
+    assert tok.decode(prompt) + tok.continuation(ids) == tok.decode(whole)
+    for after_text, want in ((True, " c a"), (False, "c a")):
+        for sizes in ([1] * len(ids), [len(ids)]):
+            answer = Answer(tok, 100, [], [], after_text=after_text)
+            assert "".join(_pieces(answer, ids, sizes)) == want == answer.shown, (after_text, sizes)
+    out, end = logprob_entries(tok, job(logprobs=True).spec, ids, [0.5] * len(ids), [None] * len(ids), 1)
+    assert "".join(out["tokens"]) == " c a" and end == 1 + len(" c a")
+    assert [" c a"[o - 1:] for o in out["text_offset"]] == [" c a"[len("".join(out["tokens"][:k])):]
+                                                              for k in range(len(ids))]
+    from models import Tokenizer
+
+    default = Tokenizer("models/default")               # byte-level BPE: keeps its spaces already
+    some = default.encode("Hello world, again", special=False)
+    assert default.continuation(some) == default.decode(some)

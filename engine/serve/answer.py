@@ -12,10 +12,14 @@ class Answer:
     so the streamed pieces concatenate to the text of the whole answer. With `min_tokens`, as in
     vLLM, a stop sequence ends the answer only if the token that completes it is the
     `min_tokens`-th or later (the decoder itself predicts no stop token before that: the engine
-    option of that name)."""
+    option of that name). `after_text`: the answer continues a text (a completion its prompt), so a
+    SentencePiece-style decoder keeps its first space (`Tokenizer.continuation`); a chat message
+    stands alone (`Tokenizer.decode`)."""
 
-    def __init__(self, tok: Tokenizer, max_tokens: int, stop: list[str], stop_ids, min_tokens: int = 0):
+    def __init__(self, tok: Tokenizer, max_tokens: int, stop: list[str], stop_ids, min_tokens: int = 0,
+                 after_text: bool = False):
         self.tok, self.max_tokens, self.stop, self.stop_ids = tok, max_tokens, stop, set(stop_ids)
+        self.decode = tok.continuation if after_text else tok.decode
         self.min_tokens = min_tokens
         self.tokens: list[int] = []
         self.probs: list[float] = []     # each token's commit_prob (what logprobs report)
@@ -43,7 +47,7 @@ class Answer:
             end = self.completion_tokens
         else:
             end = self.reported
-            while end < len(self.tokens) and self.shown.startswith(self.tok.decode(self.tokens[:end + 1])):
+            while end < len(self.tokens) and self.shown.startswith(self.decode(self.tokens[:end + 1])):
                 end += 1
         ids, probs, tops = self.tokens[self.reported:end], self.probs[self.reported:end], self.tops[self.reported:end]
         self.reported = max(self.reported, end)
@@ -59,7 +63,7 @@ class Answer:
         if eos is not None:
             toks = toks[:eos + 1]
         complete = final or eos is not None or len(self.tokens) >= self.max_tokens
-        text = self.tok.decode(toks if complete else toks[:self.tok.settled(toks)])
+        text = self.decode(toks if complete else toks[:self.tok.settled(toks)])
         floor = self._floor(toks, text)
         whole = text.rstrip("\ufffd")          # an incomplete UTF-8 character waits for its bytes
         safe = len(whole) - (0 if complete else self._hold(whole))   # a stop may still begin at `safe`
@@ -68,7 +72,7 @@ class Answer:
             text, complete = text[:cut], True
             self.finish_reason = "stop"
             self.completion_tokens = next((n for n in range(max(1, self.min_tokens), len(toks) + 1)
-                                           if self._ends_at(self.tok.decode(toks[:n]), cut, floor)), len(toks))
+                                           if self._ends_at(self.decode(toks[:n]), cut, floor)), len(toks))
         elif complete:
             self.finish_reason = "stop" if eos is not None else "length"
             self.completion_tokens = len(toks)
@@ -90,7 +94,7 @@ class Answer:
         old, texts = self._heads
         if head[:len(old)] != old:
             old, texts = (), [""]
-        texts = texts + [self.tok.decode(head[:k]).rstrip("\ufffd") for k in range(len(old) + 1, len(head) + 1)]
+        texts = texts + [self.decode(head[:k]).rstrip("\ufffd") for k in range(len(old) + 1, len(head) + 1)]
         self._heads = (head, texts)
         return max(len(t) for t in texts if text.startswith(t))
 

@@ -122,7 +122,7 @@ def logprob_entries(tok, spec, ids: list[int], probs: list[float], tops: list, o
     with text offsets from `offset`) and the offset after them. `tops`: per token its (id, prob)
     alternatives, most likely first, or None; the request's count of them is reported."""
     k = spec.config.top_logprobs
-    text = tok.decode
+    text = tok.decode if spec.chat else tok.continuation     # a completion's token texts join to its text
     tokens = [text([t]) for t in ids]
     lps = [_logprob(p) for p in probs]
     alts = [[(text([i]), _logprob(p)) for i, p in (top or [])[:k]] for top in tops]

@@ -277,8 +277,8 @@ async def handle(server, request, chat: bool):
         print(f"warning: {path}: ignored unknown fields {', '.join(names)}{more} (--strict refuses them)",
               file=sys.stderr, flush=True)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    answers = [Answer(server.tok, j.spec.max_tokens, j.spec.stop, server.mc.stop_token_ids, j.spec.config.min_tokens)
-               for j in jobs]
+    answers = [Answer(server.tok, j.spec.max_tokens, j.spec.stop, server.mc.stop_token_ids, j.spec.config.min_tokens,
+                      after_text=not chat) for j in jobs]
     run = Run(server, jobs, answers, rid, t0, path)
     if spec.stream:
         return StreamingResponse(sse(run), media_type="text/event-stream",
