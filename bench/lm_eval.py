@@ -318,6 +318,7 @@ class PsdLM(LM):
         self._device = self.model.device
         self.stats: dict[tuple[str, str], dict] = {}
         self._warned: set[str] = set()
+        self._rendered = False          # lm-eval renders the contexts (--apply_chat_template)
         PsdLM.last = self
 
     def decode_config(self, gen_length: int) -> DecodeConfig:
@@ -334,13 +335,32 @@ class PsdLM(LM):
         return str(self.model_dir)
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
-        if chat_template:
-            raise InputError("--apply_chat_template is not supported by the psd model; pass chat=true in "
-                             "--model_args (each whole context becomes one user turn of the checkpoint's template)")
-        return ""
+        """lm-eval's `--apply_chat_template` (asked before any request is built): the checkpoint's
+        template, which lm-eval then renders each request's turns through (`apply_chat_template`;
+        with `--fewshot_as_multiturn` each shot is a turn of its own); the contexts that arrive are
+        rendered, and are encoded as `chat=true` encodes its own (the template writes its special
+        tokens)."""
+        if not chat_template:
+            return ""
+        if self.chat:
+            raise InputError("chat=true and --apply_chat_template would both apply the chat template: pass one")
+        if isinstance(chat_template, str) and chat_template != "default":
+            raise InputError(f"--apply_chat_template {chat_template}: the psd model renders the checkpoint's default "
+                             f"chat template only; pass --apply_chat_template without a name")
+        if not self.tok.chat_template:
+            raise CheckpointError(f"--apply_chat_template needs a chat_template in {self.model_dir}/"
+                                  f"tokenizer_config.json, and this checkpoint has none")
+        self._rendered = True
+        return self.tok.chat_template
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
-        return self.chat_template(True)
+        return self.tok.apply_chat_template(list(chat_history), add_generation_prompt=add_generation_prompt)
+
+    @property
+    def _templated(self) -> bool:
+        """Do the contexts hold a rendered chat template (chat=true, or lm-eval's --apply_chat_template)?
+        Then they are encoded without the tokenizer's special tokens: the template wrote its own."""
+        return self.chat or self._rendered
 
     def _warn_once(self, key: str, msg: str, *a) -> None:
         if key not in self._warned:
@@ -388,7 +408,8 @@ class PsdLM(LM):
 
     # ---------------------------------------------------------------- prompts
     def _context_ids(self, context: str) -> list[int]:
-        return self.tok.encode(self.tok.apply_chat_template(context) if self.chat else context, special=not self.chat)
+        return self.tok.encode(self.tok.apply_chat_template(context) if self.chat else context,
+                               special=not self._templated)
 
     def _fit(self, ids: list[int], room: int, req, what: str) -> list[int]:
         """`ids` if they fit in `room` tokens, else the truncate policy: an error or the last `room`."""
@@ -558,8 +579,8 @@ class PsdLM(LM):
             continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
         if self.chat:
             context = self.tok.apply_chat_template(context)
-        whole = self.tok.encode(context + continuation, special=not self.chat)
-        ctx = self.tok.encode(context, special=not self.chat)
+        whole = self.tok.encode(context + continuation, special=not self._templated)
+        ctx = self.tok.encode(context, special=not self._templated)
         return ctx, whole[len(ctx):]
 
     def _score(self, req, prefix: list[int], target: list[int], kind: str, greedy: bool):

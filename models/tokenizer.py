@@ -194,9 +194,10 @@ class Tokenizer:
         self.chat_template, self._template_source = text, source
         self._template = self._compile()
 
-    def apply_chat_template(self, conversation: str | list[dict]) -> str:
-        """A conversation through the checkpoint's chat template, ready for generation: a string is
-        one user turn, a list holds {"role", "content"} messages."""
+    def apply_chat_template(self, conversation: str | list[dict], add_generation_prompt: bool = True) -> str:
+        """A conversation through the checkpoint's chat template, ready for generation (the assistant's
+        turn opened; `add_generation_prompt=False`: not, as for a conversation that ends in a prefilled
+        assistant message): a string is one user turn, a list holds {"role", "content"} messages."""
         if not self.chat_template:
             raise CheckpointError("--chat needs a chat_template in tokenizer_config.json, and this checkpoint has none")
         if self._template is None:
@@ -206,7 +207,7 @@ class Tokenizer:
         messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=True,
+                messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self._specials.get("bos_token", ""), eos_token=self._specials.get("eos_token", ""))
         except Exception as e:       # noqa: BLE001 -- raise_exception, undefined names, type errors, sandbox
             # raise_exception(...) raises a plain TemplateError: its text is the template's own message

@@ -147,20 +147,60 @@ def test_bad_model_args_are_clear_errors(arg_string, message):
         PsdLM.create_from_arg_string(arg_string)
 
 
+def _with_template(dst: Path, template: str) -> Path:
+    """The shipped checkpoint (linked) with a chat template."""
+    dst.mkdir()
+    for f in MODEL.iterdir():
+        if f.name != "tokenizer_config.json":
+            (dst / f.name).symlink_to(f)
+    cfg = json.loads((MODEL / "tokenizer_config.json").read_text(encoding="utf-8"))
+    cfg["chat_template"] = template
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    return dst
+
+
 def test_chat_wraps_each_context(tmp_path):
     with pytest.raises(Exception, match="chat_template"):
         PsdLM(chat=True)                          # the shipped checkpoint has no template
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    for f in MODEL.iterdir():
-        if f.name != "tokenizer_config.json":
-            (ckpt / f.name).symlink_to(f)
-    cfg = json.loads((MODEL / "tokenizer_config.json").read_text(encoding="utf-8"))
-    cfg["chat_template"] = "{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Assistant:"
-    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    ckpt = _with_template(tmp_path / "ckpt", "{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Assistant:")
     lm = PsdLM(model=str(ckpt), chat="true")
     assert lm.chat is True
     assert lm._context_ids("Question: 1 + 1?") == lm.tok.encode("User: Question: 1 + 1?\nAssistant:")
+
+
+ROLES = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+         "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_lm_evals_apply_chat_template_renders_each_shot_as_a_turn(tmp_path, tasks_dir):
+    """lm-eval's --apply_chat_template --fewshot_as_multiturn: lm-eval renders each request's turns
+    (two shots: two user/assistant pairs, then the question with the assistant's turn opened) through
+    the checkpoint's template, and the adapter decodes that context encoded as chat=true encodes (no
+    special tokens of the tokenizer's own). Refused in one line: together with chat=true, a template
+    name, a checkpoint without a template."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    ckpt = _with_template(tmp_path / "ckpt", ROLES)
+    lm = PsdLM(model=str(ckpt), method="confidence", threshold=0.9, block_length=8)
+    out = simple_evaluate(model=lm, tasks=[TASK], limit=1, num_fewshot=2, apply_chat_template=True,
+                          fewshot_as_multiturn=True, log_samples=True, bootstrap_iters=0,
+                          task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False))
+    (sample,) = out["samples"][TASK]
+    context, gen_kwargs = sample["arguments"][0]
+    assert context.count("<user>") == 3 and context.count("<assistant>") == 3 and context.endswith("<assistant>")
+    G = gen_kwargs["max_gen_toks"]
+    r = engine_generate(lm.model, [lm.tok.encode(context, special=False)], method="confidence", threshold=0.9,
+                        block_length=8, gen_length=math.ceil(G / 8) * 8)[0]
+    assert sample["resps"][0][0] == cut_at_stop(lm.tok.decode(r.token_ids[:G]), gen_kwargs["until"])
+    assert lm.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                                  add_generation_prompt=False) == "<user>q\n<assistant>a\n"
+    with pytest.raises(InputError, match="chat=true and --apply_chat_template would both apply"):
+        PsdLM(model=str(ckpt), chat="true").chat_template(True)
+    with pytest.raises(InputError, match="renders the checkpoint's default chat template only"):
+        lm.chat_template("tool_use")
+    with pytest.raises(Exception, match="--apply_chat_template needs a chat_template"):
+        PsdLM().chat_template(True)
 
 
 def test_cut_at_stop():
