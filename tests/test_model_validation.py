@@ -629,6 +629,13 @@ def test_a_chat_template_that_writes_bos_gives_one_bos(tmp_path):
     (spec,) = parse_request({"model": "m", "messages": [{"role": "user", "content": "t10 t11"}], "max_tokens": 8},
                             True, lim)
     assert spec.prompt_ids == want
+    pytest.importorskip("lm_eval")
+    from bench.lm_eval import PsdLM
+
+    lm = PsdLM(model=str(d))                 # lm-eval's --apply_chat_template: lm-eval renders, the adapter encodes
+    assert lm.chat_template(True) == template
+    rendered = lm.apply_chat_template([{"role": "user", "content": "t10 t11"}])
+    assert lm._context_ids(rendered) == want and lm._encode_pair(rendered, " t12") == (want, [12])
     transformers = pytest.importorskip("transformers")
     ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<bos>")
     ref.chat_template = template
