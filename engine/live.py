@@ -100,12 +100,12 @@ class LiveBatch:
         A handle that has finished or was cancelled already is left as it is; one `add` never
         returned is an InputError."""
         try:
-            known = 0 <= exact_int(handle) < self.issued
+            index = exact_int(handle)
         except TypeError:
-            known = False
-        if not known:
+            index = -1
+        if not 0 <= index < self.issued:
             raise InputError(f"cancel: {handle!r} is not a handle this batch gave out (add returns them)")
-        handle = int(handle)
+        handle = index
         if any(w[0] == handle for w in self.waiting):
             self.waiting = [w for w in self.waiting if w[0] != handle]
         elif handle in self.handles:

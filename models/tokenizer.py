@@ -69,7 +69,7 @@ class Tokenizer:
         self.size = self._tok.get_vocab_size(with_added_tokens=True)
         self._byte_fallback = '"ByteFallback"' in text      # its decoder joins runs of <0xNN> tokens
         self._byte_level = _byte_level_table() if '"ByteLevel"' in text else None
-        self._anchor = self._left_context()
+        self._anchor = self._left_context()          # (id, its text), or None
         self.chat_template, self._specials, self._template = None, {}, None
         self._template_source = ""
         cfg = path / "tokenizer_config.json"
@@ -143,12 +143,13 @@ class Tokenizer:
         space is kept (the ids are decoded after a plain token, whose text is then cut off)."""
         if self._anchor is None:
             return self.decode(ids)
-        base, text = self.decode([self._anchor]), self.decode([self._anchor, *ids])
-        return text[len(base):] if base and text.startswith(base) else self.decode(ids)
+        anchor, base = self._anchor
+        text = self.decode([anchor, *ids])
+        return text[len(base):] if text.startswith(base) else self.decode(ids)
 
-    def _left_context(self) -> int | None:
-        """A plain token to decode a continuation after, where the decoder drops a text's first space
-        (else None: `continuation` is `decode`)."""
+    def _left_context(self) -> tuple[int, str] | None:
+        """A plain token to decode a continuation after, and its text, where the decoder drops a text's
+        first space (else None: `continuation` is `decode`)."""
         decoder = self._tok.decoder
         try:
             spec = json.loads(decoder.__getstate__()) if decoder is not None else None
@@ -159,7 +160,7 @@ class Tokenizer:
         for probe in ("a", "x", "0", "."):
             ids = self.encode(probe, special=False)
             if ids and self.decode(ids[-1:]) == probe:
-                return ids[-1]
+                return ids[-1], probe
         return None
 
     def settled(self, ids) -> int:
