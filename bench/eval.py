@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
-from engine.config import text_ids
+from engine.config import prompt_ids
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_gemm_flag, add_plugin_flag, add_threads_flag,
                              checked_gemm, guarded, plugins_loaded, progress, set_threads)
 from engine.options import OPTIONS, RUNTIME, resolve, spellings
@@ -413,7 +413,7 @@ def prompt_encoder(tok: Tokenizer, chat: bool):
     if not chat:
         return tok.encode
     tok.apply_chat_template("")                     # no template, or no jinja2: said before anything runs
-    return lambda text: text_ids(tok, tok.apply_chat_template(text), chat=True)
+    return lambda text: prompt_ids(tok, text, chat=True)
 
 
 def _check_window(task, problems: list[dict], k: int, examples, encode, mc: ModelConfig, specs, args) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from models import CheckpointError, ModelConfig, Tokenizer
 
-from .config import DecodeConfig, text_ids
+from .config import DecodeConfig, prompt_ids
 from .errors import MAX_FILE_BYTES, InputError, read_user_text
 from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag,
                        add_threads_flag, checked_gemm, decoding_options, guarded, plugins_loaded, resolve_device,
@@ -113,11 +113,9 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
         text.encode("utf-8")
     except UnicodeEncodeError:          # argv bytes that are not UTF-8 arrive as lone surrogates
         raise InputError("the prompt is not valid UTF-8") from None
-    if args.chat:
-        text = tok.apply_chat_template(text)
     from .loop import check_prompts
 
-    ids = text_ids(tok, text, chat=args.chat)
+    ids = prompt_ids(tok, text, chat=args.chat)
     check_prompts(mc, dc, [ids])
     device = resolve_device(args.device) if tp is None else tp.device
     checked_gemm(args.gemm, device, args.dtype, tp is not None)

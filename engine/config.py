@@ -217,6 +217,12 @@ def text_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
     return ids
 
 
+def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """A user's prompt text as token ids (`text_ids`): as written, or (`chat`) as one user turn of
+    the checkpoint's chat template."""
+    return text_ids(tokenizer, tokenizer.apply_chat_template(text) if chat else text, chat)
+
+
 def exact_int(value) -> int:
     """`value` as an int: ints and integer numpy/torch scalars (operator.index), never floats, and
     never bools (operator.index takes True as 1); anything else is a TypeError."""

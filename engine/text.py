@@ -24,7 +24,7 @@ from typing import Sequence
 
 from models import CheckpointError, Tokenizer, Transformer
 
-from .config import DecodeConfig, text_ids
+from .config import DecodeConfig, prompt_ids
 from .uniform import for_model
 from .errors import InputError
 from .results import SequenceResult
@@ -93,7 +93,7 @@ class TextModel:
             except UnicodeEncodeError:
                 raise InputError(f"prompt {i} is not valid UTF-8 (it holds a lone surrogate)") from None
             try:
-                out.append(text_ids(self.tokenizer, self.tokenizer.apply_chat_template(text) if chat else text, chat))
+                out.append(prompt_ids(self.tokenizer, text, chat))
             except InputError as e:
                 raise InputError(f"prompt {i}: {e}") from None
         return out
