@@ -11,10 +11,22 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "default"
 NAME = "default"                     # the served model's name (its directory's)
 START_TIMEOUT = 240
+# Triton's interpreter (TRITON_INTERPRET=1, every CPU run) executes a kernel element by element in numpy
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compiled_only(value, covered_by: str):
+    """A kernel test's parameter `value` that runs compiled (a GPU: bench/gpu_report.sh) but is skipped
+    under the interpreter, where it costs seconds a case and `covered_by`, a smaller case, takes the same
+    code path (e.g. the chunked loop of a long block)."""
+    return pytest.param(value, marks=pytest.mark.skipif(
+        INTERPRETED, reason=f"interpreter: {covered_by} takes the same path; runs compiled on a GPU"))
 
 
 def run_main(main, argv, capsys) -> tuple[int, str, str]:

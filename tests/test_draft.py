@@ -11,10 +11,14 @@ from hypothesis import strategies as st
 
 import psd_kernels
 from psd_kernels import reference
+from support import compiled_only
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 BACKENDS = ["reference"] + (["triton"] if HAS_TRITON else [])
+# the longest block: 256 rank chunks of 4 (psd_kernels.ops.draft.launch_config); L=200, 13 chunks of 16 with the
+# last partial, takes the same path at a fraction of the interpreter's time
+LONG = compiled_only(1023, "L=200")
 
 
 def make_row_state(B, L, gen, device, density=0.6, tie_levels=None):
@@ -183,11 +187,12 @@ def test_assemble_drafts_without_rank_columns(backend, device):
 # ------------------------------------------------------------------------------------------
 @needs_triton
 @pytest.mark.parametrize("B", [1, 4])
-@pytest.mark.parametrize("L", [3, 47, 1023])
+@pytest.mark.parametrize("L", [3, 47, 200, LONG])
 @pytest.mark.parametrize("tie_levels", [None, 3])
 @pytest.mark.parametrize("density", [0.0, 0.5, 1.0])
 def test_position_ranks_matches_reference(B, L, tie_levels, density, device):
-    """Odd sizes: 47 leaves a partial row tile, 1023 a chunked rank loop (BLOCK_J < BLOCK_L)."""
+    """Odd sizes: 47 leaves a partial row tile, 200 and 1023 a chunked rank loop (BLOCK_J < BLOCK_L) with a
+    partial last chunk."""
     gen = torch.Generator().manual_seed(B * 10000 + L + (tie_levels or 0) + int(density * 10))
     _, masked, _, conf = make_row_state(B, L, gen, device, density, tie_levels)
     ranks = torch.full((B, L), -7, dtype=torch.int64, device=device)  # poison: every slot must be written
@@ -200,7 +205,7 @@ def test_position_ranks_matches_reference(B, L, tie_levels, density, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("L", [1, 3, 47, 1023])
+@pytest.mark.parametrize("L", [1, 3, 47, 200, LONG])
 @pytest.mark.parametrize("tie_levels", [None, 2, 40])
 def test_position_ranks_inverts_rank_positions(backend, L, tie_levels, device):
     """order[b, ranks[b, i]] == i at masked i, -1 elsewhere, and the masked ranks fill 0..n-1."""
