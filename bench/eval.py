@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
-from engine.config import prompt_ids
+from engine.config import prompt_ids, text_ids
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_gemm_flag, add_plugin_flag, add_threads_flag,
                              checked_gemm, guarded, plugins_loaded, progress, set_threads)
 from engine.options import OPTIONS, RUNTIME, resolve, spellings
@@ -30,7 +30,7 @@ from engine.uniform import for_model
 from models import CheckpointError, ModelConfig, Tokenizer, load_model
 
 from .tasks import TASKS, get_task
-from .tasks.common import normalize_prompt, truncate_at, window_error
+from .tasks.common import normalize_prompt, shot_turns, truncate_at, window_error
 
 FEW_SHOT = {"math": 0, "code": 0, "gsm8k": 5, "humaneval": 0, "mbpp": 3}
 GEN_LENGTH = {"math": 64, "code": 64, "gsm8k": 256, "humaneval": 256, "mbpp": 256}   # block length 32 for all
@@ -174,6 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--few-shot", type=int, help="examples in the prompt (default: 5 gsm8k, 3 mbpp, 0 otherwise)")
     p.add_argument("--chat", action="store_true", help="each prompt, its few-shot examples included, as one user "
                                                       "turn of the checkpoint's chat template (an instruct model)")
+    p.add_argument("--fewshot-as-multiturn", action="store_true",
+                   help="with --chat: each few-shot example a user turn and an assistant turn of its own, the "
+                        "problem the last user turn (lm-eval's --fewshot_as_multiturn)")
     p.add_argument("--gen-length", type=int, help="tokens to generate (default: 256 gsm8k, mbpp, humaneval; 64 math, code)")
     p.add_argument("--block-length", type=int, help="default 32; a uniform-noise model's canvas length")
     p.add_argument("--cache", choices=list(CACHE_MODES), help="default none; a uniform-noise model takes none "
@@ -384,7 +387,7 @@ def _run(args, ending: _Ending) -> int:
     mc = ModelConfig.from_dir(args.model)
     k, shots, examples = _few_shots(task, problems, args, mc.max_length)
     tok = Tokenizer(args.model)
-    _check_window(task, problems, k, examples, prompt_encoder(tok, args.chat), mc, specs, args)
+    _check_window(task, problems, k, examples, prompt_encoder(tok, task, args), mc, specs, args)
     if getattr(task, "RUNS_CODE", False):           # generated code will run: is the sandbox usable here?
         check_sandbox(sandbox_mode(args))
     # the outputs (rank 0's) are checked writable before any decoding, a failure every rank's
@@ -407,13 +410,17 @@ def _run(args, ending: _Ending) -> int:
     return 0
 
 
-def prompt_encoder(tok: Tokenizer, chat: bool):
-    """A prompt text's ids: as written, or (--chat) as one user turn of the checkpoint's chat template,
-    encoded as engine.generate --chat encodes it (a checkpoint without a template: one error line)."""
-    if not chat:
-        return tok.encode
+def prompt_encoder(tok: Tokenizer, task, args):
+    """`encode(problem, shots)`: the ids of the problem's prompt with its few-shot examples, the text
+    `task.format_prompt` writes as is; with --chat that text as one user turn of the checkpoint's chat
+    template, encoded as engine.generate --chat encodes it (a checkpoint without a template: one error
+    line); with --fewshot-as-multiturn each shot a user and an assistant turn of its own."""
+    if not args.chat:
+        return lambda problem, shots: tok.encode(task.format_prompt(problem, shots))
     tok.apply_chat_template("")                     # no template, or no jinja2: said before anything runs
-    return lambda text: prompt_ids(tok, text, chat=True)
+    if args.fewshot_as_multiturn:
+        return lambda problem, shots: text_ids(tok, tok.apply_chat_template(shot_turns(task, problem, shots)), True)
+    return lambda problem, shots: prompt_ids(tok, task.format_prompt(problem, shots), chat=True)
 
 
 def _check_window(task, problems: list[dict], k: int, examples, encode, mc: ModelConfig, specs, args) -> None:
@@ -453,6 +460,8 @@ def _check_counts(args) -> None:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.few_shot is not None and args.few_shot < 0:
         raise InputError(f"--few-shot must be >= 0, got {args.few_shot}")
+    if args.fewshot_as_multiturn and not args.chat:
+        raise InputError("--fewshot-as-multiturn needs --chat: the turns are the checkpoint's chat template's")
 
 
 def _peek_config(model_dir) -> ModelConfig | None:
@@ -503,8 +512,9 @@ def _few_shots(task, problems: list[dict], args, window: int):
     room = window - args.gen_length
     examples = _examples(task, args)
     if k > max(room, 0):                            # bounded before a single example is built
-        hint = window_error(task, problems, 0, examples, Tokenizer(args.model).encode, window, window,
-                            args.block_length) or ""
+        tok = Tokenizer(args.model)
+        hint = window_error(task, problems, 0, examples, lambda p, s: tok.encode(task.format_prompt(p, s)), window,
+                            window, args.block_length) or ""
         tail = hint.split("; ", 1)[1] if "; " in hint else ""            # window_error's advice for 0 shots
         if tail.startswith("use "):
             tail = "use --few-shot 0 " + tail[len("use "):]
@@ -544,8 +554,8 @@ def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, 
     each method's records to `out` as they are produced; where it cannot, every rank stops there
     (rank 0's `error:` line and status 2, the others status 0: their part was done)."""
     mine = problems[rank::world]
-    encode = prompt_encoder(tok, args.chat)
-    prompts = [encode(task.format_prompt(pr, shots)) for pr in mine]
+    encode = prompt_encoder(tok, task, args)
+    prompts = [encode(pr, shots) for pr in mine]
     records, walls, traces, results, parts = [], {}, {}, {}, []
     metrics = getattr(task, "METRICS", ())      # gsm8k: lm-eval's strict-match and flexible-extract, both
     by_id = {p["id"]: p for p in problems}

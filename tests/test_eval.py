@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import bench.eval
 from bench.eval import main as eval_main
 from bench.eval import parse_method
 from engine import InputError
@@ -99,6 +100,64 @@ def test_chat_puts_each_prompt_in_the_chat_template(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --chat needs a chat_template in tokenizer_config.json, and this checkpoint has none"]
     assert not (tmp_path / "none.jsonl").exists()
+
+
+def test_fewshot_as_multiturn_gives_each_shot_its_own_turns(tmp_path, capsys, monkeypatch):
+    """--chat --fewshot-as-multiturn: each shot a user turn (its question) and an assistant turn (its
+    answer), the problem the last user turn, as lm-eval renders them; without --chat, one error line."""
+    from bench.tasks import get_task
+    from bench.tasks.common import truncate_at
+    from engine import generate
+    from engine.config import text_ids
+    from models import Tokenizer, load_model
+
+    tiny = make_checkpoint(tmp_path / "m", "llada", seed=2)[0]
+    tc = json.loads((tiny / "tokenizer_config.json").read_text())
+    tc["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tiny / "tokenizer_config.json").write_text(json.dumps(tc))
+    args = ["--model", str(tiny), "--task", "math", "--methods", "greedy", "--limit", "2", "--few-shot", "2",
+            "--gen-length", "8", "--block-length", "8", "--quiet", "--chat"]
+    out, decoded = tmp_path / "turns.jsonl", []
+    run_method = bench.eval.run_method
+    monkeypatch.setattr(bench.eval, "run_method", lambda *a, **kw: decoded.append(a[4]) or run_method(*a, **kw))
+    assert eval_main(args + ["--fewshot-as-multiturn", "--out", str(out)]) == 0
+    got = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    task, tok = get_task("math"), Tokenizer(tiny)
+    problems, shots = task.load(None, limit=2), task.few_shot(2, None, heldout=None)
+    turns = [m for s in shots for m in ({"role": "user", "content": f"Question: {s['prompt']}\nAnswer:"},
+                                         {"role": "assistant", "content": s["answer"]})]
+    texts = [tok.apply_chat_template(turns + [{"role": "user", "content": f"Question: {p['prompt']}\nAnswer:"}])
+             for p in problems]
+    assert texts[0].count("<|assistant|>") == 3 and f"<|assistant|> {shots[1]['answer']} <|user|>" in texts[0]
+    ids = [text_ids(tok, t, chat=True) for t in texts]
+    assert decoded == [ids]
+    want = [tok.decode(r.token_ids) for r in generate(load_model(tiny), ids, method="greedy", gen_length=8,
+                                                      block_length=8)]
+    assert [truncate_at(w, task.STOP_SEQUENCES) for w in want] == got
+    capsys.readouterr()
+    assert eval_main(args[:-1] + ["--fewshot-as-multiturn", "--out", str(tmp_path / "no.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --fewshot-as-multiturn needs --chat: the turns are the checkpoint's chat template's"]
+
+
+@pytest.mark.parametrize("name", ["math", "code", "gsm8k", "mbpp"])
+def test_shot_turns_split_every_tasks_shots(name):
+    """Each task's shot text splits into its question and its answer (bench.tasks.common.shot_turns);
+    a format that does not is one error, never turns that drop text."""
+    from bench.tasks import get_task
+    from bench.tasks.common import shot_turns
+
+    task = get_task(name)
+    problem, *shots = task.load(None, limit=3)
+    turns = shot_turns(task, problem, shots)
+    assert [t["role"] for t in turns] == ["user", "assistant"] * 2 + ["user"]
+    assert all(s["answer"].strip().splitlines()[0] in t["content"] for s, t in zip(shots, turns[1::2]))
+    assert turns[-1]["content"] == task.format_prompt(problem, ()).strip()
+    fake = type("Task", (), {"NAME": name, "format_prompt": staticmethod(lambda p, sh=(): p["prompt"] + "".join(
+        "\n" + s["answer"] for s in sh))})
+    with pytest.raises(ValueError, match=f"--task {name}: a few-shot example's text does not split"):
+        shot_turns(fake, problem, shots[:1])
 
 
 def test_progress_lines_in_a_log_and_threads(tiny, tmp_path, capsys, monkeypatch):

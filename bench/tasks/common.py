@@ -216,6 +216,23 @@ def read_examples(path, k: int) -> list[dict]:
     return examples
 
 
+def shot_turns(task, problem: dict, shots: Sequence[dict]) -> list[dict]:
+    """`task.format_prompt(problem, shots)` as chat messages, each shot a user turn (its question as the
+    task formats a problem) and an assistant turn (its answer), the problem the last user turn, as
+    lm-eval's --fewshot_as_multiturn renders them. Read off the task's own format: a shot's text is
+    what it adds before the problem's prompt, its question part what `format_prompt(shot)` writes."""
+    alone = task.format_prompt(problem, ())
+    turns = []
+    for s in shots:
+        text, question = task.format_prompt(problem, [s]), task.format_prompt(s, ())
+        if not (text.endswith(alone) and text.startswith(question)):
+            raise ValueError(f"--task {task.NAME}: a few-shot example's text does not split into its question "
+                             f"and its answer")
+        turns += [{"role": "user", "content": question.strip()},
+                  {"role": "assistant", "content": text[len(question):len(text) - len(alone)].strip()}]
+    return turns + [{"role": "user", "content": alone.strip()}]
+
+
 def qa_prompt(question: str, answer_sep: str, few_shot: Iterable[dict] = ()) -> str:
     parts = [f"Question: {s['prompt']}\nAnswer:{answer_sep}{s['answer']}" for s in few_shot]
     parts.append(f"Question: {question}\nAnswer:{answer_sep}")
@@ -446,10 +463,11 @@ def code_suite(build_program: Callable[[str, dict], str | None], fields: dict, t
 
 
 def window_error(task, problems: Sequence[dict], shots: int, examples: Callable[[int], list],
-                 encode: Callable[[str], list], window: int, gen_length: int, block_length: int,
+                 encode: Callable[[dict, list], list], window: int, gen_length: int, block_length: int,
                  gen_flag: str = "--gen-length ") -> str | None:
     """None if every prompt of ``problems`` (with the ``shots`` examples
-    ``examples(shots)`` gives) plus ``gen_length`` fits the ``window``; else a one-line
+    ``examples(shots)`` gives, as ``encode(problem, examples)`` makes its ids) plus ``gen_length`` fits the
+    ``window``; else a one-line
     message naming the longest prompt and the setting that fits these problems:
     the most shots that fit with ``gen_length``, else zero shots and the longest
     generation (a multiple of ``block_length``) that fits. ``gen_flag`` is how the message
@@ -466,7 +484,7 @@ def window_error(task, problems: Sequence[dict], shots: int, examples: Callable[
     def length(p: dict, k: int) -> int:
         if k not in built:
             built[k] = examples(k) if k else []
-        return len(encode(task.format_prompt(p, built[k])))
+        return len(encode(p, built[k]))
 
     def longest(k: int) -> tuple[int, str]:
         return max((length(p, k), p["id"]) for p in problems)
