@@ -203,7 +203,8 @@ else
     # float32: it checks the section and its CSV; bfloat16 matmuls are 4x slower on a CPU without bf16
     # instructions (tests/test_engine.py and tests/test_models.py decode bfloat16)
     section end_to_end 180 "$PY" -m bench.speed --model models/default --methods "${METHODS[@]}" \
-        --batch-sizes 1 4 --num-prompts 2 4 --cache none dual --gen-length 32 --repeats 1 --dtype float32 \
+        --batch-sizes 1 4 --num-prompts 2 4 --cache none dual --gen-length 16 --block-length 16 --repeats 1 \
+        --dtype float32 \
         --out "$OUT/end_to_end" --overwrite --quiet
 fi
 
