@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
-from engine.config import prompt_ids, text_ids
+from engine.config import prompt_ids
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_gemm_flag, add_plugin_flag, add_threads_flag,
                              checked_gemm, guarded, plugins_loaded, progress, set_threads)
 from engine.options import OPTIONS, RUNTIME, resolve, spellings
@@ -419,7 +419,7 @@ def prompt_encoder(tok: Tokenizer, task, args):
         return lambda problem, shots: tok.encode(task.format_prompt(problem, shots))
     tok.apply_chat_template("")                     # no template, or no jinja2: said before anything runs
     if args.fewshot_as_multiturn:
-        return lambda problem, shots: text_ids(tok, tok.apply_chat_template(shot_turns(task, problem, shots)), True)
+        return lambda problem, shots: prompt_ids(tok, shot_turns(task, problem, shots), chat=True)
     return lambda problem, shots: prompt_ids(tok, task.format_prompt(problem, shots), chat=True)
 
 

@@ -217,10 +217,10 @@ def text_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
     return ids
 
 
-def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
-    """A user's prompt text as token ids (`text_ids`): as written, or (`chat`) as one user turn of
-    the checkpoint's chat template."""
-    return text_ids(tokenizer, tokenizer.apply_chat_template(text) if chat else text, chat)
+def prompt_ids(tokenizer, prompt: str | list[dict], chat: bool = False) -> list[int]:
+    """A user's prompt as token ids (`text_ids`): its text as written, or (`chat`) through the
+    checkpoint's chat template, a text as one user turn, a list as its {"role", "content"} messages."""
+    return text_ids(tokenizer, tokenizer.apply_chat_template(prompt) if chat else prompt, chat)
 
 
 def exact_int(value) -> int:
