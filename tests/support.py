@@ -3,6 +3,7 @@ a continuous batch fed on a schedule, the eager stand-in for CUDA-graph capture,
 `engine.serve` in a subprocess (the shipped model in fp32 on the CPU, one thread)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -17,8 +18,16 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "default"
 NAME = "default"                     # the served model's name (its directory's)
 START_TIMEOUT = 240
-# Triton's interpreter (TRITON_INTERPRET=1, every CPU run) executes a kernel element by element in numpy
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreted() -> bool:
+    """Whether the Triton kernels run under Triton's interpreter here (every CPU run: element by element
+    in numpy), as psd_kernels reads it; False without triton."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from psd_kernels.ops._common import INTERPRET
+
+    return INTERPRET
 
 
 def compiled_only(value, covered_by: str):
@@ -26,7 +35,7 @@ def compiled_only(value, covered_by: str):
     under the interpreter, where it costs seconds a case and `covered_by`, a smaller case, takes the same
     code path (e.g. the chunked loop of a long block)."""
     return pytest.param(value, marks=pytest.mark.skipif(
-        INTERPRETED, reason=f"interpreter: {covered_by} takes the same path; runs compiled on a GPU"))
+        interpreted(), reason=f"interpreter: {covered_by} takes the same path; runs compiled on a GPU"))
 
 
 def run_main(main, argv, capsys) -> tuple[int, str, str]:

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import psd_kernels
 from psd_kernels import reference
-from support import INTERPRETED
+from support import interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -243,7 +243,7 @@ ROW_MAPS = {
 def test_row_map_triton_matches_reference_and_naive(maps, masks, dtype, device):
     row_map, C = ROW_MAPS[maps]
     big = maps == "many_cache_rows"
-    if big and INTERPRETED and masks in ("shared_per_row", "own_per_row"):
+    if big and interpreted() and masks in ("shared_per_row", "own_per_row"):
         pytest.skip("interpreter: masks 'both' cross the chunk boundary with each mask (5-8 s a case); "
                     "runs compiled on a GPU")
     H, Hkv, L, S, D = (2, 1, 2, 5, 16) if big else (6, 2, 7, 37, 24)       # GQA 3, odd sizes
