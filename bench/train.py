@@ -457,6 +457,7 @@ def train(run: Run, t_start: float, val_loss, log: TrainLog, state_path: Path, o
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    check_args(args)              # before anything changes: a bad flag leaves no directory and no setting
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     state_dir = Path(args.state_dir) if args.state_dir else Path.home() / ".cache" / "psd-engine" / "train_runs" / out.resolve().name
@@ -465,7 +466,6 @@ def main(argv=None) -> None:
     dev = torch.device(args.device)
     t_start = time.time()
 
-    check_args(args)
     state, tok = resume_or_start(args, state_path, state_dir / "tokenizer.json")
     eos = tok.token_to_id(EOS)
     config = make_config(tok, args)

@@ -104,6 +104,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A test that changes torch's thread count (a command's main() run in the test process) would
+    leave every later test of its worker on that many threads: one did (bench.train's default of 2),
+    and a 30 s test after it took 170 s on the busy 2-core machine. The count is put back after each
+    test, and the test that changed it fails, naming the change."""
+    before = torch.get_num_threads()
+    yield
+    n = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"the test left torch on {n} threads (it started on {before}): restore what it changes")
+
+
 @pytest.fixture
 def device() -> torch.device:
     """Where kernel tests put their tensors: CUDA when present, else CPU for the interpreter."""

@@ -234,10 +234,14 @@ def test_math_and_drill_frac_set_the_batch_mix(monkeypatch, frac, drill, expecte
 
 
 def test_drill_frac_beyond_the_non_math_share_is_a_one_line_error(tmp_path):
+    """...and changes nothing first: no state directory, not the process's torch threads (the default
+    --threads 2 was set before the check, and every later test of the process ran on two threads)."""
+    threads = torch.get_num_threads()
     with pytest.raises(SystemExit) as ei:
         T.main(["--out", str(tmp_path / "m"), "--state-dir", str(tmp_path / "s"), "--math-frac", "0.7",
-                "--drill-frac", "0.4"])
+                "--drill-frac", "0.4", "--threads", str(threads + 1)])
     assert str(ei.value).startswith("error: --drill-frac") and "\n" not in str(ei.value)
+    assert not (tmp_path / "s").exists() and torch.get_num_threads() == threads
 
 
 def test_drills_are_seeded():
