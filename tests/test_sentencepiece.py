@@ -1,0 +1,131 @@
+"""A checkpoint that ships only a SentencePiece tokenizer.model (openPangu's layout) is read natively
+(models/sentencepiece.py): its ids and texts are SentencePiece's own, for BPE and Unigram models
+trained with each normalizer setting; BOS/EOS follow tokenizer_config.json; a bad file is one line."""
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import pytest
+
+from engine.generate import main as generate_main
+from models import CheckpointError, Tokenizer
+from models.random_checkpoint import make_checkpoint
+from support import run_main
+
+spm = pytest.importorskip("sentencepiece")
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "héllo", "wörld", "汉字", "测试",
+         "12345", "x=3+4", "Answer:", "Question", "<tool>"]
+
+
+def _lines(seed=0, n=400):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
+
+
+def _texts():
+    rng = random.Random(1)
+    fixed = ["the quick fox", "two  spaces", "  lead and trail  ", "汉字 测试 ü", "zzz 😀", "", " ", "a\nb\tc",
+             "Answer: 42", "ÆØÅ ñ", "x=3+4;y", "quick brown fox jumps over the lazy dog " * 3, "\u00a0nbsp",
+             "\ufb01 ligature", "\uff26\uff55\uff4c\uff4c width", "\n lead newline"]
+    return fixed + ["".join(rng.choice("abcdefghij 汉字😀\n\t  xyz0123ü") for _ in range(rng.randint(0, 30)))
+                    for _ in range(150)]
+
+
+def _train(model_type: str, **opts) -> bytes:
+    buf = io.BytesIO()
+    kw = dict(model_type=model_type, vocab_size=400, hard_vocab_limit=False, byte_fallback=True,
+              character_coverage=1.0, user_defined_symbols=["<tool>"], minloglevel=3)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_lines()), model_writer=buf, **{**kw, **opts})
+    return buf.getvalue()
+
+
+def _checkpoint(path, model: bytes, tokenizer_config: dict | None = None):
+    path.mkdir()
+    (path / "tokenizer.model").write_bytes(model)
+    if tokenizer_config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
+SETTINGS = [dict(), dict(add_dummy_prefix=False), dict(remove_extra_whitespaces=False),
+            dict(normalization_rule_name="identity"), dict(byte_fallback=False)]
+
+
+@pytest.mark.parametrize("opts", SETTINGS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_ids_and_texts_are_sentencepieces_own(tmp_path, model_type, opts):
+    model = _train(model_type, **opts)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    tok = Tokenizer(_checkpoint(tmp_path / "m", model))
+    assert tok.size == sp.get_piece_size()
+    wrong = []
+    for text in _texts():
+        want = sp.encode(text)
+        got = tok.encode(text, special=False)
+        # an unknown piece: SentencePiece writes " ⁇ ", transformers (and the engine) drop it as special
+        same_text = sp.unk_id() in want or tok.decode(got) == sp.decode(want)
+        if got != want or not same_text or tok.encode(text) != [sp.bos_id(), *want]:
+            wrong.append((text, want, got))
+    assert not wrong, f"{len(wrong)} of {len(_texts())} texts differ, first: {wrong[0]}"
+    assert any(sp.is_byte(i) for t in _texts() for i in sp.encode(t)) == opts.get("byte_fallback", True)
+
+
+def test_bos_eos_follow_tokenizer_config_and_control_pieces_are_special(tmp_path):
+    model = _train("bpe")
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    body = sp.encode("the fox")
+    for cfg, want in (({"add_bos_token": False}, body), ({"add_eos_token": True}, [1, *body, 2]),
+                      ({"add_bos_token": False, "add_eos_token": True}, [*body, 2]), (None, [1, *body])):
+        tok = Tokenizer(_checkpoint(tmp_path / f"m{len(list(tmp_path.iterdir()))}", model, cfg))
+        assert tok.encode("the fox") == want, cfg
+    # what a chat template writes: its control pieces are the special tokens, as in transformers
+    tok = Tokenizer(_checkpoint(tmp_path / "chat", model, {"chat_template": "<s>{{ messages[0]['content'] }}</s>",
+                                                           "bos_token": "<s>", "eos_token": "</s>"}))
+    text = tok.apply_chat_template("the fox")
+    assert tok.encode(text, special=False) == [sp.bos_id(), *body, sp.eos_id()]
+    assert tok.token_id("<s>") == sp.bos_id() and tok.token_id("<tool>") == sp.piece_to_id("<tool>")
+
+
+def test_text_beside_a_user_defined_piece_is_normalized_on_its_own(tmp_path):
+    """The one documented difference (models/sentencepiece.py): SentencePiece keeps the space before a
+    user-defined piece as its own U+2581; here, as in transformers, each side is normalized alone."""
+    model = _train("bpe")
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    tok = Tokenizer(_checkpoint(tmp_path / "m", model))
+    tool, space = sp.piece_to_id("<tool>"), sp.piece_to_id("\u2581")
+    assert sp.encode("call <tool> now") == [*sp.encode("call"), space, tool, *sp.encode("now")]
+    assert tok.encode("call <tool> now", special=False) == [*sp.encode("call"), tool, *sp.encode("now")]
+
+
+@pytest.mark.parametrize("data, msg", [
+    (b"", "no pieces"), (b"\x0a\xff", "truncated"), (b"\x0a\x03\x0a\x01\xff", "utf-8"), (b"\x0f", "wire type 7"),
+])
+def test_a_broken_model_file_is_one_line(tmp_path, data, msg):
+    with pytest.raises(CheckpointError, match=r"cannot read .*tokenizer.model as a SentencePiece model: .*" + msg) as e:
+        Tokenizer(_checkpoint(tmp_path / "m", data))
+    assert "\n" not in str(e.value)
+
+
+def test_a_model_of_another_kind_is_one_line(tmp_path):
+    with pytest.raises(CheckpointError, match="model type WORD: only BPE and Unigram"):
+        Tokenizer(_checkpoint(tmp_path / "m", _train("word", byte_fallback=False, user_defined_symbols=[])))
+
+
+def test_engine_generate_decodes_a_checkpoint_with_only_tokenizer_model(tmp_path, capsys):
+    """openPangu's layout end to end: a context-causal checkpoint, its tokenizer a SentencePiece model."""
+    model = _train("bpe")
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    path, _ = make_checkpoint(tmp_path / "pangu", "pangu", seed=2, vocab_size=512, mask_token_id=511,
+                              eos_token_id=sp.eos_id(), eos_bias=4.0)
+    (path / "tokenizer.json").unlink()
+    (path / "tokenizer.model").write_bytes(model)
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    rc, out, err = run_main(generate_main, ["the quick fox", "--model", str(path), "--gen-length", "16",
+                                            "--block-length", "8", "--json", "--threads", "1"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["tokens"] == len(res["token_ids"]) > 0
+    assert res["text"] == Tokenizer(path).continuation(res["token_ids"])
