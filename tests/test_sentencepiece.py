@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from models.random_checkpoint import make_checkpoint
 from support import run_main
 
 spm = pytest.importorskip("sentencepiece")
+ROOT = Path(__file__).resolve().parent.parent
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "héllo", "wörld", "汉字", "测试",
          "12345", "x=3+4", "Answer:", "Question", "<tool>"]
@@ -129,3 +131,18 @@ def test_engine_generate_decodes_a_checkpoint_with_only_tokenizer_model(tmp_path
     res = json.loads(out)
     assert res["tokens"] == len(res["token_ids"]) > 0
     assert res["text"] == Tokenizer(path).continuation(res["token_ids"])
+
+
+def test_a_real_sized_vocabulary_on_real_text(tmp_path):
+    """An 8,000-piece byte-fallback BPE trained on the shipped GSM8K test set: every question and answer
+    encodes to SentencePiece's ids."""
+    rows = [json.loads(line) for line in open(ROOT / "bench" / "data" / "gsm8k" / "test.jsonl", encoding="utf-8")]
+    texts = [r[k] for r in rows for k in ("question", "answer")]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=buf, model_type="bpe", vocab_size=8000,
+                                   byte_fallback=True, hard_vocab_limit=False, minloglevel=3)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    tok = Tokenizer(_checkpoint(tmp_path / "m", buf.getvalue()))
+    assert tok.size > 4000
+    wrong = [t for t in texts if tok.encode(t, special=False) != sp.encode(t)]
+    assert not wrong, f"{len(wrong)} of {len(texts)} differ, first: {wrong[0]!r}"
