@@ -98,8 +98,8 @@ def read_model(data: bytes) -> dict:
             model["pieces"].append((piece, score, kind))
         elif field == 2 and wire == 2:                 # TrainerSpec
             for f, w, v in _fields(value):
-                if w == 0 and f in (3, 35, 40):
-                    model[{3: "model_type", 35: "byte_fallback", 40: "unk_id"}[f]] = v
+                if w == 0 and f in (3, 24, 35, 40):
+                    model[{3: "model_type", 24: "whitespace_as_suffix", 35: "byte_fallback", 40: "unk_id"}[f]] = v
         elif field == 3 and wire == 2:                 # NormalizerSpec
             for f, w, v in _fields(value):
                 if f == 2 and w == 2:
@@ -111,6 +111,8 @@ def read_model(data: bytes) -> dict:
     if model["model_type"] not in (UNIGRAM, BPE):
         kind = {3: "WORD", 4: "CHAR"}.get(model["model_type"], str(model["model_type"]))
         raise ModelError(f"model type {kind}: only BPE and Unigram models are read")
+    if model.get("whitespace_as_suffix"):
+        raise ModelError("treat_whitespace_as_suffix is set: only models with the space before a word are read")
     model["byte_fallback"] = bool(model["byte_fallback"])
     return model
 

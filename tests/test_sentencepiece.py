@@ -53,7 +53,8 @@ def _checkpoint(path, model: bytes, tokenizer_config: dict | None = None):
 
 
 SETTINGS = [dict(), dict(add_dummy_prefix=False), dict(remove_extra_whitespaces=False),
-            dict(normalization_rule_name="identity"), dict(byte_fallback=False)]
+            dict(normalization_rule_name="identity"), dict(byte_fallback=False), dict(split_digits=True),
+            dict(split_by_whitespace=False)]
 
 
 @pytest.mark.parametrize("opts", SETTINGS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
@@ -111,9 +112,13 @@ def test_a_broken_model_file_is_one_line(tmp_path, data, msg):
     assert "\n" not in str(e.value)
 
 
-def test_a_model_of_another_kind_is_one_line(tmp_path):
-    with pytest.raises(CheckpointError, match="model type WORD: only BPE and Unigram"):
-        Tokenizer(_checkpoint(tmp_path / "m", _train("word", byte_fallback=False, user_defined_symbols=[])))
+@pytest.mark.parametrize("model_type, opts, msg", [
+    ("word", dict(byte_fallback=False, user_defined_symbols=[]), "model type WORD: only BPE and Unigram"),
+    ("bpe", dict(treat_whitespace_as_suffix=True), "treat_whitespace_as_suffix is set"),
+])
+def test_a_model_of_another_kind_is_one_line(tmp_path, model_type, opts, msg):
+    with pytest.raises(CheckpointError, match=msg):
+        Tokenizer(_checkpoint(tmp_path / "m", _train(model_type, **opts)))
 
 
 def test_engine_generate_decodes_a_checkpoint_with_only_tokenizer_model(tmp_path, capsys):
