@@ -81,8 +81,8 @@ def _fields(data: bytes):
 def read_model(data: bytes) -> dict:
     """The pieces [(text, score, kind)], `model_type`, `byte_fallback`, `unk_id` and the normalizer's
     `charsmap`, `add_dummy_prefix`, `remove_extra_whitespaces`, `escape_whitespaces` of a model file."""
-    model = dict(pieces=[], model_type=UNIGRAM, byte_fallback=False, unk_id=0, charsmap=b"",
-                 add_dummy_prefix=True, remove_extra_whitespaces=True, escape_whitespaces=True)
+    model = dict(pieces=[], model_type=UNIGRAM, whitespace_as_suffix=False, byte_fallback=False, unk_id=0,
+                 charsmap=b"", add_dummy_prefix=True, remove_extra_whitespaces=True, escape_whitespaces=True)
     for field, wire, value in _fields(data):
         if field == 1 and wire == 2:                   # SentencePiece pieces
             piece, score, kind = None, 0.0, NORMAL
@@ -111,7 +111,7 @@ def read_model(data: bytes) -> dict:
     if model["model_type"] not in (UNIGRAM, BPE):
         kind = {3: "WORD", 4: "CHAR"}.get(model["model_type"], str(model["model_type"]))
         raise ModelError(f"model type {kind}: only BPE and Unigram models are read")
-    if model.get("whitespace_as_suffix"):
+    if model["whitespace_as_suffix"]:
         raise ModelError("treat_whitespace_as_suffix is set: only models with the space before a word are read")
     model["byte_fallback"] = bool(model["byte_fallback"])
     return model

@@ -50,21 +50,18 @@ def _one_line(text) -> str:
     return " ".join(str(text).split())
 
 
-def _sentencepiece_json(path: Path) -> str:
+def _sentencepiece_json(path: Path, tc: _Fields | None) -> str:
     """tokenizer.json's text for a checkpoint that ships only a SentencePiece tokenizer.model
-    (models/sentencepiece.py), with BOS/EOS as its tokenizer_config.json's add_bos_token /
-    add_eos_token say (transformers' Llama-style defaults: BOS, no EOS)."""
+    (models/sentencepiece.py), with BOS/EOS as its tokenizer_config.json (`tc`, if any) says in
+    add_bos_token / add_eos_token (transformers' Llama-style defaults: BOS, no EOS)."""
     from .sentencepiece import ModelError, read_model, tokenizer_json
 
     f = path / "tokenizer.model"
     data = read_bytes(f)
     flags = {}
-    cfg = path / "tokenizer_config.json"
-    if os.path.lexists(cfg):
-        tc = _Fields(read_json(cfg), str(cfg))
-        for key, name in (("add_bos_token", "add_bos"), ("add_eos_token", "add_eos")):
-            if tc.raw.get(key) is not None:
-                flags[name] = tc.flag(key)
+    for key, name in (("add_bos_token", "add_bos"), ("add_eos_token", "add_eos")):
+        if tc is not None and tc.raw.get(key) is not None:
+            flags[name] = tc.flag(key)
     try:
         return json.dumps(tokenizer_json(read_model(data), **flags))
     except (ModelError, UnicodeDecodeError) as e:
@@ -76,10 +73,12 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tok
 
         path = Path(path)
+        cfg = path / "tokenizer_config.json"
+        tc = _Fields(read_json(cfg), str(cfg)) if os.path.lexists(cfg) else None
         f = path / "tokenizer.json"
         if not os.path.lexists(f) and os.path.lexists(path / "tokenizer.model"):
             f = path / "tokenizer.model"
-            text = _sentencepiece_json(path)
+            text = _sentencepiece_json(path, tc)
         else:
             text = read_text(f)          # a regular file of sane size, checked before it is opened
         try:
@@ -92,9 +91,7 @@ class Tokenizer:
         self._anchor = self._left_context()          # (id, its text), or None
         self.chat_template, self._specials, self._template = None, {}, None
         self._template_source = ""
-        cfg = path / "tokenizer_config.json"
-        if os.path.lexists(cfg):
-            tc = _Fields(read_json(cfg), str(cfg))
+        if tc is not None:
             for k in ("bos_token", "eos_token"):
                 v = tc.raw.get(k)
                 if isinstance(v, dict) and isinstance(v.get("content"), str):   # a saved AddedToken
