@@ -416,11 +416,16 @@ def prompt_encoder(tok: Tokenizer, task, args):
     template, encoded as engine.generate --chat encodes it (a checkpoint without a template: one error
     line); with --fewshot-as-multiturn each shot a user and an assistant turn of its own."""
     if not args.chat:
-        return lambda problem, shots: tok.encode(task.format_prompt(problem, shots))
+        return plain_encoder(tok, task)
     tok.apply_chat_template("")                     # no template, or no jinja2: said before anything runs
-    if args.fewshot_as_multiturn:
-        return lambda problem, shots: prompt_ids(tok, shot_turns(task, problem, shots), chat=True)
-    return lambda problem, shots: prompt_ids(tok, task.format_prompt(problem, shots), chat=True)
+    render = (lambda problem, shots: shot_turns(task, problem, shots)) if args.fewshot_as_multiturn \
+        else task.format_prompt
+    return lambda problem, shots: prompt_ids(tok, render(problem, shots), chat=True)
+
+
+def plain_encoder(tok: Tokenizer, task):
+    """`encode(problem, shots)`: the ids of the text `task.format_prompt` writes, as is."""
+    return lambda problem, shots: tok.encode(task.format_prompt(problem, shots))
 
 
 def _check_window(task, problems: list[dict], k: int, examples, encode, mc: ModelConfig, specs, args) -> None:
@@ -512,9 +517,8 @@ def _few_shots(task, problems: list[dict], args, window: int):
     room = window - args.gen_length
     examples = _examples(task, args)
     if k > max(room, 0):                            # bounded before a single example is built
-        tok = Tokenizer(args.model)
-        hint = window_error(task, problems, 0, examples, lambda p, s: tok.encode(task.format_prompt(p, s)), window,
-                            window, args.block_length) or ""
+        hint = window_error(task, problems, 0, examples, plain_encoder(Tokenizer(args.model), task), window, window,
+                            args.block_length) or ""
         tail = hint.split("; ", 1)[1] if "; " in hint else ""            # window_error's advice for 0 shots
         if tail.startswith("use "):
             tail = "use --few-shot 0 " + tail[len("use "):]
