@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import platform
 import time
 from pathlib import Path
 
 import torch
+
+from models.config import cache_dir, keep_file
 
 from .errors import InputError, read_json
 
@@ -134,11 +135,7 @@ STORE_FORMAT = "psd-cost-store/1"
 def store_dir() -> Path | None:
     """Where measured cost curves are kept between processes: $PSD_COST_CACHE ("off": nowhere),
     else $XDG_CACHE_HOME/psd-engine/cost (default ~/.cache/psd-engine/cost)."""
-    env = os.environ.get("PSD_COST_CACHE")
-    if env is not None:
-        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "psd-engine" / "cost"
+    return cache_dir("cost", "PSD_COST_CACHE")
 
 
 def host_key(device) -> tuple:
@@ -168,16 +165,8 @@ def load_curve(key: tuple) -> CostModel | None:
 
 
 def save_curve(key: tuple, model: CostModel) -> None:
-    """Keep `model` for later processes (best effort: a read-only or full disk only costs a
-    measurement next time). Written to a temporary file, then renamed: readers never see half."""
+    """Keep `model` for later processes (best effort, written whole: models/config.py `keep_file`)."""
     path = _path(key)
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": STORE_FORMAT, "key": repr(key), "canvases": model.n,
-                                   "ms": model.ms_at}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    if path is not None:
+        keep_file(path, json.dumps({"format": STORE_FORMAT, "key": repr(key), "canvases": model.n,
+                                    "ms": model.ms_at}).encode())

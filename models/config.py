@@ -933,6 +933,29 @@ def _check_rope_parameters(r: _Fields, kw: dict) -> None:
                               f"head, as rope_theta and the other fields say)")
 
 
+# ---------------------------------------------------------------------- what the engine keeps between runs
+def cache_dir(kind: str, env: str) -> Path | None:
+    """Where the engine keeps `kind` between processes (measured cost curves, converted tokenizers):
+    $`env` if set ("off", "0", "none" or empty: nowhere), else $XDG_CACHE_HOME/psd-engine/`kind`
+    (default ~/.cache/psd-engine/`kind`). Everything kept there is derived and may be deleted."""
+    value = os.environ.get(env)
+    if value is not None:
+        return None if value.strip().lower() in ("", "off", "0", "none") else Path(value).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "psd-engine" / kind
+
+
+def keep_file(path: Path, data: bytes) -> None:
+    """Write a cache file `path` (best effort: a read-only or full disk only costs the work again next
+    time). Written to a temporary file, then renamed: readers never see half of it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 # ---------------------------------------------------------------------- files a user names
 # The most bytes any file a user names is read into memory with (a config, an index, a tokenizer,
 # a cost profile, a draft graph, a prompts or task data file; a gzip file's content counts

@@ -28,11 +28,22 @@ BPE and Unigram models trained with each of these settings.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import struct
+from pathlib import Path
+
+from .config import cache_dir, keep_file, read_bytes
+from .errors import CheckpointError
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 UNIGRAM, BPE = 1, 2
 SPACE = "\u2581"
+
+
+# The version of `tokenizer_json`'s output: conversions kept between runs (`converted`) are redone when
+# it changes, so raise it with any change to what the conversion writes.
+CONVERSION = 1
 
 
 class ModelError(ValueError):
@@ -191,3 +202,33 @@ def tokenizer_json(m: dict, add_bos: bool = True, add_eos: bool = False) -> dict
     return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
             "normalizer": _normalizer(m), "pre_tokenizer": None,
             "post_processor": _post_processor(pieces, add_bos, add_eos), "decoder": _decoder(m), "model": model}
+
+
+def converted(data: bytes, add_bos: bool = True, add_eos: bool = False) -> str:
+    """tokenizer.json's text for the model file's bytes `data`, converted once and kept for later runs:
+    a real vocabulary (openPangu's 153k pieces) takes seconds to read and to find its merges, a kept
+    conversion is read back in milliseconds. Kept in `cache_dir("tokenizers", "PSD_TOKENIZER_CACHE")`
+    under a digest of the bytes, the flags, `CONVERSION` and the tokenizers library's version; each file
+    starts with its own digest, so a damaged one is converted again and replaced, never used."""
+    import tokenizers
+
+    where = cache_dir("tokenizers", "PSD_TOKENIZER_CACHE")
+    key = f"{CONVERSION} {tokenizers.__version__} {int(add_bos)} {int(add_eos)}\n".encode()
+    path = None if where is None else where / (hashlib.sha256(key + data).hexdigest() + ".json")
+    text = _kept(path)
+    if text is None:
+        text = json.dumps(tokenizer_json(read_model(data), add_bos, add_eos))
+        if path is not None:
+            body = text.encode()
+            keep_file(path, hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+    return text
+
+
+def _kept(path: Path | None) -> str | None:
+    """A kept conversion's text, or None (none kept, the store off, or a file whose digest fails)."""
+    try:
+        raw = read_bytes(path) if path is not None and path.is_file() else b""
+        head, _, body = raw.partition(b"\n")
+        return body.decode() if head and head.decode() == hashlib.sha256(body).hexdigest() else None
+    except (OSError, CheckpointError, UnicodeDecodeError):
+        return None

@@ -54,7 +54,7 @@ def _sentencepiece_json(path: Path, tc: _Fields | None) -> str:
     """tokenizer.json's text for a checkpoint that ships only a SentencePiece tokenizer.model
     (models/sentencepiece.py), with BOS/EOS as its tokenizer_config.json (`tc`, if any) says in
     add_bos_token / add_eos_token (transformers' Llama-style defaults: BOS, no EOS)."""
-    from .sentencepiece import ModelError, read_model, tokenizer_json
+    from .sentencepiece import ModelError, converted
 
     f = path / "tokenizer.model"
     data = read_bytes(f)
@@ -63,7 +63,7 @@ def _sentencepiece_json(path: Path, tc: _Fields | None) -> str:
         if tc is not None and tc.raw.get(key) is not None:
             flags[name] = tc.flag(key)
     try:
-        return json.dumps(tokenizer_json(read_model(data), **flags))
+        return converted(data, **flags)
     except (ModelError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read {f} as a SentencePiece model: {_one_line(e)}") from None
 

@@ -25,6 +25,8 @@ os.environ["OMP_NUM_THREADS"] = str(THREADS)      # before torch loads, here and
 # measured call costs (--draft-budget auto) are not kept between tests or runs: each test measures its
 # own (tests/test_budget.py turns the store on in a temporary directory)
 os.environ.setdefault("PSD_COST_CACHE", "off")
+# nor tokenizers converted from a SentencePiece model (tests/test_sentencepiece.py turns that store on)
+os.environ.setdefault("PSD_TOKENIZER_CACHE", "off")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

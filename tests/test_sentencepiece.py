@@ -151,3 +151,79 @@ def test_a_real_sized_vocabulary_on_real_text(tmp_path):
     assert tok.size > 4000
     wrong = [t for t in texts if tok.encode(t, special=False) != sp.encode(t)]
     assert not wrong, f"{len(wrong)} of {len(texts)} differ, first: {wrong[0]!r}"
+
+
+def _kept_files(store: Path) -> list[Path]:
+    return sorted(store.glob("*.json")) if store.is_dir() else []
+
+
+def test_a_conversion_is_kept_and_read_back_without_converting(tmp_path, monkeypatch):
+    import models.sentencepiece as sp_mod
+
+    store = tmp_path / "store"
+    monkeypatch.setenv("PSD_TOKENIZER_CACHE", str(store))
+    model = _train("bpe")
+    ck = _checkpoint(tmp_path / "m", model)
+    ck_eos = _checkpoint(tmp_path / "m_eos", model, {"add_eos_token": True})
+    first = Tokenizer(ck)
+    assert len(_kept_files(store)) == 1
+    want = [first.encode(t) for t in _texts()]
+
+    def no_conversion(data):
+        raise AssertionError("converted again although a conversion was kept")
+
+    monkeypatch.setattr(sp_mod, "read_model", no_conversion)
+    assert [Tokenizer(ck).encode(t) for t in _texts()] == want
+    with pytest.raises(AssertionError, match="converted again"):    # other flags: another conversion
+        Tokenizer(ck_eos)
+    monkeypatch.undo()
+    monkeypatch.setenv("PSD_TOKENIZER_CACHE", str(store))
+    eos = Tokenizer(ck_eos)
+    assert len(_kept_files(store)) == 2 and eos.encode("the fox")[-1] == spm.SentencePieceProcessor(
+        model_proto=model).eos_id()
+
+
+def test_a_damaged_kept_conversion_is_redone_and_a_store_that_cannot_be_written_is_no_error(tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    monkeypatch.setenv("PSD_TOKENIZER_CACHE", str(store))
+    model = _train("unigram")
+    ck = _checkpoint(tmp_path / "m", model)
+    want = [Tokenizer(ck).encode(t) for t in _texts()]
+    (kept,) = _kept_files(store)
+    good = kept.read_bytes()
+    kept.write_bytes(good.replace(b'"Unigram"', b'"BPE"'))      # still JSON, not the conversion
+    assert [Tokenizer(ck).encode(t) for t in _texts()] == want
+    assert kept.read_bytes() == good                           # replaced by a fresh conversion
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("PSD_TOKENIZER_CACHE", str(blocked))
+    assert [Tokenizer(ck).encode(t) for t in _texts()] == want
+    assert blocked.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("setting", ["off", None])
+def test_the_store_is_off_or_under_the_cache_home(tmp_path, monkeypatch, setting):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if setting is None:
+        monkeypatch.delenv("PSD_TOKENIZER_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("PSD_TOKENIZER_CACHE", setting)
+    Tokenizer(_checkpoint(tmp_path / "m", _train("bpe")))
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.json"))
+    assert written == ([] if setting else [Path("xdg/psd-engine/tokenizers") / _kept_files(
+        tmp_path / "xdg/psd-engine/tokenizers")[0].name])
+
+
+def test_bench_tokenizer_load_times_a_synthetic_model_sentencepiece_reads_alike(tmp_path, capsys):
+    from bench.tokenizer_load import main, synthetic_model
+
+    model = synthetic_model(3000, seed=1)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    tok = Tokenizer(_checkpoint(tmp_path / "m", model))
+    assert sp.get_piece_size() == tok.size == 3000
+    assert [tok.encode(t, special=False) for t in _texts()] == [sp.encode(t) for t in _texts()]
+    assert main(["--pieces", "3000", "--rounds", "1"]) == 0
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows == ["store", "store off", "empty store", "kept"]
+    assert main(["--pieces", "10"]) == 2
