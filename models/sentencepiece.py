@@ -69,7 +69,11 @@ def _fields(data: bytes):
                 return value
 
     while i < n:
-        key = varint()
+        key = data[i]                  # one byte in all but exotic files: read without the call
+        if key < 0x80:
+            i += 1
+        else:
+            key = varint()
         field, wire = key >> 3, key & 7
         if wire == 0:
             yield field, wire, varint()
@@ -80,7 +84,11 @@ def _fields(data: bytes):
             yield field, wire, data[i:i + size]
             i += size
         elif wire == 2:
-            size = varint()
+            size = data[i] if i < n else 0x80
+            if size < 0x80:
+                i += 1
+            else:
+                size = varint()
             if i + size > n:
                 raise ModelError("truncated protobuf")
             yield field, wire, data[i:i + size]
@@ -134,14 +142,13 @@ def _merges(pieces) -> list[list[str]]:
     ids = {p: i for i, (p, _, _) in enumerate(pieces)}
     found = []
     for i, (p, score, kind) in enumerate(pieces):
-        if kind != NORMAL:
-            continue
-        for k in range(1, len(p)):
-            left, right = p[:k], p[k:]
-            if left in ids and right in ids:
-                found.append((-score, i, ids[left], left, right))
+        if kind == NORMAL:
+            for k in range(1, len(p)):
+                left = ids.get(p[:k])
+                if left is not None and p[k:] in ids:
+                    found.append((-score, i, left, k))
     found.sort()
-    return [[left, right] for *_, left, right in found]
+    return [[pieces[i][0][:k], pieces[i][0][k:]] for _, i, _, k in found]
 
 
 def _normalizer(m: dict):
