@@ -941,7 +941,13 @@ def cache_dir(kind: str, env: str) -> Path | None:
     value = os.environ.get(env)
     if value is not None:
         return None if value.strip().lower() in ("", "off", "0", "none") else Path(value).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "psd-engine" / kind
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:                   # no home directory to be found: nothing is kept
+            return None
+    return Path(base) / "psd-engine" / kind
 
 
 def keep_file(path: Path, data: bytes) -> None:

@@ -227,3 +227,15 @@ def test_bench_tokenizer_load_times_a_synthetic_model_sentencepiece_reads_alike(
     rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows == ["store", "store off", "empty store", "kept"]
     assert main(["--pieces", "10"]) == 2
+
+
+def test_no_home_directory_keeps_nothing_and_is_no_error(tmp_path, monkeypatch):
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("PSD_TOKENIZER_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    model = _train("bpe")
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    assert Tokenizer(_checkpoint(tmp_path / "m", model)).encode("the fox", special=False) == sp.encode("the fox")
