@@ -19,7 +19,7 @@ import time
 import torch
 
 from engine import DecodeConfig, Decoder
-from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, checked_gemm, guarded, set_threads, thread_count
+from engine.frontend import DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, checked_gemm, guarded, set_threads, thread_count, threads_value
 from models import CheckpointError, Tokenizer, load_model
 
 from .eval import parse_method
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default="none", choices=("none", "prefix", "dual"))
     p.add_argument("--batch-size", type=thread_count, default=16)
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
-    p.add_argument("--threads", type=thread_count, default=1)
+    p.add_argument("--threads", type=threads_value, default=1, metavar="N")
     args = p.parse_args(argv)
     return guarded(lambda: run(args), errors=(CheckpointError, ValueError, OSError))
 

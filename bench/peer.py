@@ -65,7 +65,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from engine.frontend import Parser, guarded, set_threads, thread_count
+from engine.frontend import Parser, guarded, set_threads, thread_count, threads_value
 from models.transformer import GEMMS
 
 PEER_VERSION = "0.3.36"
@@ -627,7 +627,7 @@ def main(argv=None) -> int:
         r = sub.add_parser(name, help=helptext)
         r.add_argument("--peer", required=True, help="the directory `build --dir` wrote")
         r.add_argument("--size", nargs="+", type=size_name, default=["100M"], help=", ".join(SIZES))
-        r.add_argument("--threads", type=thread_count, default=2, help="torch threads and the CLI's -t/-tb")
+        r.add_argument("--threads", type=threads_value, default=2, help="torch threads and the CLI's -t/-tb")
         r.add_argument("--gen", type=thread_count, default=64, help="generated tokens = calls (default 64)")
         r.add_argument("--prompt", type=thread_count, default=31, help="prompt ids after bos (default 31)")
         r.add_argument("--reps", type=thread_count, default=3)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.frontend import Parser, thread_count
+from engine.frontend import Parser, threads_value
 from models.checkpoint import save_checkpoint
 from models.config import ModelConfig
 from models.transformer import Transformer, attention_mask, position_ids
@@ -284,7 +284,7 @@ def build_parser():
     p.add_argument("--eps", type=float, default=1e-3)
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--threads", type=thread_count, default=2, metavar="N",
+    p.add_argument("--threads", type=threads_value, default=2, metavar="N",
                    help="torch CPU threads (default: 2, the setting the shipped model was trained with, unlike the "
                         "other commands' torch default)")
     p.add_argument("--device", default="cpu")

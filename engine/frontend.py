@@ -80,12 +80,33 @@ def thread_count(text: str) -> int:
     return n
 
 
+THREADS_PER_CPU = 4         # --threads above this many per usable CPU only slows a run (and 100000 crashes OpenMP)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_value(text: str) -> int:
+    """argparse type of a `--threads` flag: an integer from 1 to THREADS_PER_CPU per usable CPU."""
+    n = thread_count(text)
+    most = THREADS_PER_CPU * usable_cpus()
+    if n > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most} ({THREADS_PER_CPU} per CPU this process may "
+                                         f"run on, {usable_cpus()}), got {n}")
+    return n
+
+
 THREADS_HELP = ("torch CPU threads (default: torch's, one per core, as engine.serve; on a busy or shared CPU "
                 "fewer, often 1, can be many times faster)")
 
 
 def add_threads_flag(p: argparse.ArgumentParser, help: str = THREADS_HELP) -> None:
-    p.add_argument("--threads", type=thread_count, metavar="N", help=help)
+    p.add_argument("--threads", type=threads_value, metavar="N", help=help)
 
 
 GEMM_HELP = ("how the model's dense projections multiply: torch (F.linear; MKL on a CPU, the default) or onednn "

@@ -18,7 +18,7 @@ from support import run_main
 # every command that runs torch
 THREADED = ["engine.cli", "bench.speed", "bench.eval", "bench.cache_agreement", "bench.arith_probe",
             "bench.fingerprint", "bench.serve_load", "bench.serve_sim", "bench.bench_top1", "bench.bench_draft",
-            "bench.bench_sparse_attn", "bench.train"]
+            "bench.bench_sparse_attn", "bench.train", "engine.serve.cli", "bench.gemm_agreement", "bench.peer_answers"]
 
 
 @pytest.mark.parametrize("module", THREADED)
@@ -26,7 +26,7 @@ def test_every_command_takes_threads(module, capsys):
     main = importlib.import_module(module).main
     rc, out, _ = run_main(main, ["--help"], capsys)
     assert rc == 0 and "--threads N" in out
-    for bad in ("0", "-2", "two"):
+    for bad in ("0", "-2", "two", "100000", str(frontend.THREADS_PER_CPU * frontend.usable_cpus() + 1)):
         rc, out, err = run_main(main, ["--threads", bad], capsys)
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: argument --threads"), err

@@ -11,8 +11,8 @@ import socket
 import sys
 import threading
 
-from ..frontend import (DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag, checked_gemm,
-                        guarded, plugins_loaded, resolve_device)
+from ..frontend import (DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag, add_threads_flag,
+                        checked_gemm, guarded, plugins_loaded, resolve_device)
 from ..errors import InputError
 from ..methods import METHODS
 from .routes import build_app, head_timeout_protocol
@@ -58,8 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="model weights' dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     add_gemm_flag(p)
-    p.add_argument("--threads", type=int, help="torch CPU threads of the worker (default: torch's; on a shared "
-                                               "CPU 1 is often fastest)")
+    add_threads_flag(p, help="torch CPU threads of the worker (default: torch's; on a shared CPU 1 is often fastest)")
     p.add_argument("--chat-template", help="Jinja chat template (a file, or the template text) for a checkpoint "
                                            "without one, or to replace its own")
     p.add_argument("--max-batch", type=int, default=32,
@@ -194,8 +193,6 @@ def check_flags(args) -> None:
         raise InputError(f"--read-timeout must be in (0, 3600] seconds, got {args.read_timeout}")
     if not 0 <= args.batch_wait_ms <= 10_000:
         raise InputError("--batch-wait-ms must be in [0, 10000]")
-    if args.threads is not None and args.threads < 1:
-        raise InputError("--threads must be >= 1")
 
 
 def _main(args) -> int:
