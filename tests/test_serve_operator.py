@@ -4,6 +4,7 @@ queue/running gauges. One server (the shipped model, 4 rows) serves the whole mo
 scheduler's order is also checked without a model."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -181,6 +182,49 @@ def test_a_bug_in_a_handler_is_a_500_with_the_request_id_and_a_405_names_allow(c
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.headers["x-request-id"]
 
 
+def test_head_wherever_get_one_model_by_id_and_an_absolute_form_target(capsys):
+    """HEAD answers wherever GET does (RFC 9110; load balancers probe /health so), GET /v1/models/ID
+    is the openai client's `models.retrieve`, and `GET http://host/health` (absolute form, RFC 9112:
+    what proxies send) is routed as `/health`: open without the API key, the rest behind it."""
+    from starlette.testclient import TestClient
+
+    from engine.serve.cli import build_parser
+    from engine.serve.routes import build_app
+    from engine.serve.server import Server
+
+    srv = Server(build_parser().parse_args(["--device", "cpu", "--api-key", "k"]))
+    srv.status = "ok"
+    app = build_app(srv)
+    client = TestClient(app, raise_server_exceptions=False)
+    key = {"Authorization": "Bearer k"}
+    for path in ("/health", "/v1/models", "/metrics", "/version"):
+        got, head = client.get(path, headers=key), client.head(path, headers=key)
+        assert got.status_code == head.status_code == 200 and head.content == b"", path
+    card = client.get(f"/v1/models/{NAME}", headers=key)
+    assert card.status_code == 200 and card.json() == client.get("/v1/models", headers=key).json()["data"][0]
+    other = client.get("/v1/models/nope", headers=key)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert client.get(f"/v1/models/{NAME}").status_code == 401
+
+    def absolute(path: str, headers=()) -> int:
+        sent, target = [], f"http://evil{path}"
+        scope = {"type": "http", "method": "GET", "path": target, "raw_path": target.encode(), "query_string": b"",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers], "http_version": "1.1",
+                 "scheme": "http", "server": ("x", 80), "client": ("y", 1), "root_path": ""}
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(app(scope, receive, send))
+        return sent[0]["status"]
+
+    assert absolute("/health") == 200 and absolute("/v1/models") == 401
+    assert absolute("/v1/models", [("Authorization", "Bearer k")]) == 200
+
+
 # ------------------------------------------------------------------------------ 5. bad flags fail at start
 def test_a_flag_engine_generate_refuses_fails_before_ready(tmp_path, capsys):
     """`--cuda-graphs` off CUDA and a bad `--cost-profile` used to start a server that answered 400
@@ -199,7 +243,9 @@ def test_a_flag_engine_generate_refuses_fails_before_ready(tmp_path, capsys):
                           "cannot read cost profile"),
                          (["--max-choices", "0"], "--max-choices must be >= 1"),
                          (["--read-timeout", "0"], "--read-timeout must be in"),
-                         (["--gemm", "onednn", "--dtype", "float64"], "--gemm onednn takes float32 or bfloat16")]:
+                         (["--gemm", "onednn", "--dtype", "float64"], "--gemm onednn takes float32 or bfloat16"),
+                         (["--served-model-name", " "], "--served-model-name must be a printable, non-blank"),
+                         (["--threads", "100000"], "argument --threads: must be at most")]:
         rc, _, err = run_main(main, ["--port", str(free_port()), "--device", "cpu", *flags], capsys)
         assert rc == 2 and err.strip().startswith("error:") and words in err, (flags, err)
         assert len(err.strip().splitlines()) == 1, err

@@ -108,6 +108,11 @@ def test_max_tokens_and_block_rounding_against_the_model_length(parts):
     assert "decoded as 64 tokens, a multiple of the block length 32" in e.message
     e = refused({"model": "default", "prompt": "x y", "max_tokens": 0}, limits(parts))
     assert e.param == "max_tokens" and e.message == "max_tokens must be >= 1, got 0"
+    # no whole block fits: the error names what set the length, never a max_tokens the client did not send
+    e = refused({"model": "default", "prompt": [1] * (mc.max_length - 26)}, limits(parts))
+    assert "with no max_tokens (the server's gen length" in e.message and "no whole block fits in 26" in e.message
+    e = refused({"model": "default", "prompt": [1] * (mc.max_length - 26), "gen_length": 32}, limits(parts))
+    assert "tokens with gen_length 32 (decoded as 32" in e.message
 
 
 def test_chat_needs_a_template_and_renders_through_it(parts):

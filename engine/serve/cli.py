@@ -193,6 +193,9 @@ def check_flags(args) -> None:
         raise InputError(f"--read-timeout must be in (0, 3600] seconds, got {args.read_timeout}")
     if not 0 <= args.batch_wait_ms <= 10_000:
         raise InputError("--batch-wait-ms must be in [0, 10000]")
+    name = args.served_model_name
+    if name is not None and (not name.strip() or not name.isprintable()):
+        raise InputError(f"--served-model-name must be a printable, non-blank model id, got {name!r}")
 
 
 def _main(args) -> int:

@@ -94,8 +94,7 @@ def openai_fields(body: dict, chat: bool, lim: Limits) -> Fields:
     if not isinstance(model, str) or not model:
         raise bad("model is required (a string; GET /v1/models lists it)", "model")
     if model != lim.name:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {lim.name!r}",
-                       "model_not_found", "model")
+        raise no_such_model(model, lim.name)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream must be a boolean", "stream")
@@ -274,6 +273,12 @@ def encode(text: str, lim: Limits, chat: bool = False) -> list[int]:
     return ids
 
 
+def no_such_model(model: str, served: str) -> ApiError:
+    """The 404 for a model id this server does not serve (a request's `model`, GET /v1/models/ID)."""
+    return ApiError(404, f"the model {model!r} does not exist; this server serves {served!r}", "model_not_found",
+                    "model")
+
+
 def room(prompt_len: int, mc: ModelConfig) -> int:
     """Positions left for the answer after a prompt of `prompt_len` tokens (at least 1, else refused)."""
     left = mc.max_length - prompt_len
@@ -290,21 +295,22 @@ def decode_config(opts: dict, merged: dict, max_tokens: int | None, prompt_len: 
     block = merged.get("block_length", OPTIONS["block_length"].default)
     OPTIONS["block_length"].validate(block)
     left = room(prompt_len, mc)
+    asked = f"max_tokens {max_tokens}"          # what the error below names: what set the length
     if "gen_length" in opts:
         OPTIONS["gen_length"].validate(opts["gen_length"])
         if max_tokens is None:
-            max_tokens = opts["gen_length"]
+            max_tokens, asked = opts["gen_length"], f"gen_length {opts['gen_length']}"
         elif max_tokens > opts["gen_length"]:
             raise InputError(f"max_tokens {max_tokens} exceeds the requested gen_length {opts['gen_length']}")
     else:
         if max_tokens is None:         # the server's gen length, or what fits in the model's length
             max_tokens = merged.get("gen_length", OPTIONS["gen_length"].default)
+            asked = f"no max_tokens (the server's gen length {max_tokens}; no whole block fits in {left})"
             if -(-max_tokens // block) * block > left and left >= block:
                 max_tokens = left // block * block
         merged["gen_length"] = -(-max_tokens // block) * block
     gen = merged.get("gen_length")
     if prompt_len + gen > mc.max_length:
-        raise InputError(f"the prompt of {prompt_len} tokens plus max_tokens {max_tokens} (decoded as {gen} "
-                         f"tokens, a multiple of the block length {block}) exceeds the model's maximum "
-                         f"length {mc.max_length}")
+        raise InputError(f"the prompt of {prompt_len} tokens with {asked} (decoded as {gen} tokens, a multiple of "
+                         f"the block length {block}) exceeds the model's maximum length {mc.max_length}")
     return for_model(mc, DecodeConfig(**merged)).validate(), max_tokens

@@ -18,6 +18,7 @@ from .answer import Answer
 from .metrics import Metrics
 from .protocol import MAX_ECHOED, ApiError, check_length_header, parse_body, shown, too_large
 from .relay import Run, collect, sse
+from .request import no_such_model
 from .responses import health_body, version_body
 from .worker import Job, Owner, QueueFull
 
@@ -44,22 +45,34 @@ def build_app(server):
         return error(ApiError(status, f"{request.method} {request.url.path}: {exc.detail}",
                               "not_found" if status == 404 else None, headers=exc.headers))   # a 405's Allow
 
-    @app.get("/health")
+    def get(path):       # GET and HEAD (RFC 9110: HEAD wherever GET; the server sends the headers only)
+        return app.api_route(path, methods=["GET", "HEAD"])
+
+    @get("/health")
     async def health():
         return JSONResponse(health_body(server), status_code=200 if server.status == "ok" else 503)
 
-    @app.get("/version")
+    @get("/version")
     async def version():
         return version_body(server)
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics():
         return PlainTextResponse(server.metrics.render(server.scheduler), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    def card():
+        return {"id": server.name, "object": "model", "created": server.created, "owned_by": "psd-engine",
+                "max_model_len": server.mc.max_length}
+
+    @get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
-                                            "owned_by": "psd-engine", "max_model_len": server.mc.max_length}]}
+        return {"object": "list", "data": [card()]}
+
+    @get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != server.name:
+            return error(no_such_model(model_id, server.name))
+        return card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -107,6 +120,7 @@ class RequestId:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope = origin_form(scope)
         got = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
         rid = got.decode("ascii") if got is not None and REQUEST_ID.fullmatch(got) else uuid.uuid4().hex
         t0, status = time.perf_counter(), None
@@ -133,6 +147,19 @@ class RequestId:
                 path = scope.get("raw_path", b"").decode("ascii", "replace")
                 print(f"access: {host}:{port} \"{scope['method']} {path} HTTP/{scope.get('http_version', '1.1')}\" "
                       f"{status or '-'} {time.perf_counter() - t0:.3f}s request_id={rid}", file=sys.stderr, flush=True)
+
+
+def origin_form(scope: dict) -> dict:
+    """`scope` with an absolute-form request target (`GET http://host/health HTTP/1.1`, which RFC 9112
+    says a server must accept, as proxies send it) reduced to its path, so routing and the API key's
+    open paths see `/health`; any other scope as it is."""
+    path = scope.get("path") or "/"
+    if path.startswith("/"):
+        return scope
+    from urllib.parse import unquote, urlsplit
+
+    raw = urlsplit(scope.get("raw_path") or path.encode("latin-1", "replace")).path or b"/"
+    return {**scope, "raw_path": raw, "path": unquote(raw.decode("latin-1"))}
 
 
 def head_timeout_protocol(seconds: float, log: bool = False):
