@@ -35,6 +35,9 @@ def join(names) -> str:
 # value); below MIN_TEMPERATURE (but > 0) logits / T overflows float32 to inf and 0 / T to NaN.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e4
 MAX_TOP_LOGPROBS = 20          # alternatives per committed token (vLLM's default cap, OpenAI's chat limit)
+# The largest integer option value (a count, a length, a window): beyond it a value is no real setting
+# and would overflow the int32/int64 tensors it becomes (the seed, a 64-bit generator state, has its own)
+MAX_INT_OPTION = 2 ** 31 - 1
 
 
 def _at_least(lo: int):
@@ -82,6 +85,7 @@ class Option:
     general: bool = False                    # taken by every method (sizes, cache, sampling)
     cli: str = ""                            # the command-line flag, where not --name-dashed
     metavar: str | None = None               # the flag's value in --help
+    most: int | None = MAX_INT_OPTION        # an int option's largest value (None: its check bounds it)
 
     @property
     def what(self) -> str:
@@ -138,6 +142,8 @@ class Option:
         problem = self.check(self.what, value) if self.check else None
         if problem:
             raise InputError(problem)
+        if self.kind is int and self.most is not None and value > self.most:
+            raise InputError(f"{self.what} must be <= {self.most}, got {_short(value)}")
         return value
 
 
@@ -229,7 +235,7 @@ for _o in (
            f"{MAX_TEMPERATURE:g}])", 0.0, check=_temperature,
            general=True),
     Option("seed", int, "seed of the sampling noise", 0, check=lambda l, v: None if 0 <= v < 2 ** 64 else
-           f"{l} must be in [0, 2**64), got {_short(v)}", general=True),
+           f"{l} must be in [0, 2**64), got {_short(v)}", general=True, most=None),
     Option("sampler", str, "at temperature > 0: batch (one generator for the batch, LLaDA's draw: a sample depends "
            "on its batch-mates) or row (one generator per sequence, seeded seed + its index in the batch, a server "
            "request's seed its own: a sample is the same whatever shares its batch; a sequence alone draws what batch "

@@ -131,6 +131,13 @@ def num_transfer_tokens(block_len: int, steps_per_block: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps_per_block)]
 
 
+def transfer_count(block_len: int, steps_per_block: int, step: torch.Tensor) -> torch.Tensor:
+    """`num_transfer_tokens(block_len, steps_per_block)[step]` per row (a step past the last counts as
+    the last), without the list: its length is the steps, which a user may set to billions."""
+    base, rem = divmod(block_len, steps_per_block)
+    return base + (step.clamp(max=steps_per_block - 1) < rem).long()
+
+
 @dataclass(frozen=True)
 class Policy:
     """Base: `select(conf, masked, step) -> commit` with conf float [R, L], masked bool [R, L],
@@ -263,8 +270,7 @@ class TopK(Policy):
         if self.schedule == "dream":
             k = dream_transfer_count(masked.sum(-1), step, self.steps_per_block, self.eps)
         else:
-            sched = torch.tensor(num_transfer_tokens(self.block_len, self.steps_per_block), device=conf.device)
-            k = sched[step.clamp(max=self.steps_per_block - 1)].clamp_min(1)      # [R]
+            k = transfer_count(self.block_len, self.steps_per_block, step).clamp_min(1)      # [R]
         ranks, _ = psd_kernels.position_ranks(conf.float(), masked)
         return (ranks < k[:, None]) & masked
 
@@ -337,8 +343,7 @@ class Threshold(Policy):
             raise InputError("max post steps applies with an editing threshold only")
 
     def _k(self, step: torch.Tensor) -> torch.Tensor:
-        sched = torch.tensor(num_transfer_tokens(self.block_len, self.steps_per_block), device=step.device)
-        return sched[step.clamp(max=self.steps_per_block - 1)]
+        return transfer_count(self.block_len, self.steps_per_block, step)
 
     def may_idle(self, step):
         return self._k(step) == 0
@@ -445,7 +450,8 @@ class LocalLeap(Policy):
     def select(self, conf, masked, step):
         anchors = masked & (conf >= self.kappa)
         # dilation of the anchor set by W in both directions, within the block
-        near = F.max_pool1d(anchors[:, None].float(), 2 * self.window + 1, stride=1, padding=self.window)[:, 0] > 0
+        w = min(self.window, conf.shape[-1] - 1)       # a wider window reaches no further than the whole row
+        near = F.max_pool1d(anchors[:, None].float(), 2 * w + 1, stride=1, padding=w)[:, 0] > 0
         commit = anchors | (masked & (conf >= self.tau) & near)
         return _at_least_one(commit, conf, masked)
 

@@ -248,8 +248,9 @@ class UniformNoise:
         if s.stability_threshold == 0:
             stable = torch.ones(B, dtype=torch.bool, device=act.device)
         else:
-            if st.history is None:
-                st.history = torch.full((s.stability_threshold, B, L), -1, dtype=torch.long, device=act.device)
+            if st.history is None:     # a canvas takes max_denoising_steps steps at most, so no deeper
+                depth = min(s.stability_threshold, s.max_denoising_steps)   # history is ever full: the same stops
+                st.history = torch.full((depth, B, L), -1, dtype=torch.long, device=act.device)
             stable = (st.history == st.argmax[None]).all(-1).all(0)
             st.history = torch.roll(st.history, shifts=-1, dims=0)
             st.history[-1] = st.argmax

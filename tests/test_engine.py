@@ -10,7 +10,7 @@ import torch
 import oracle
 from models.random_checkpoint import make_checkpoint
 from engine import DraftGraph, InputError, generate
-from engine.policies import Confidence, Greedy, LocalLeap, TopK, num_transfer_tokens, rank_of
+from engine.policies import Confidence, Greedy, LocalLeap, TopK, num_transfer_tokens, rank_of, transfer_count
 from models import ModelConfig, init_random, load_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
@@ -118,6 +118,12 @@ def test_topk_schedule_is_llada_get_num_transfer_tokens():
     assert num_transfer_tokens(32, 5) == [7, 7, 6, 6, 6]
     assert num_transfer_tokens(10, 4) == [3, 3, 2, 2]
     assert sum(num_transfer_tokens(37, 6)) == 37
+    for block, steps in ((32, 32), (32, 5), (10, 4), (37, 6), (8, 20)):
+        step = torch.arange(steps + 3)
+        want = num_transfer_tokens(block, steps) + [num_transfer_tokens(block, steps)[-1]] * 3   # past the last
+        assert transfer_count(block, steps, step).tolist() == want, (block, steps)
+    # billions of steps: no list of them is built (it hung), the same counts
+    assert transfer_count(8, 2 ** 31 - 1, torch.tensor([0, 7, 8, 10 ** 9])).tolist() == [1, 1, 0, 0]
 
 
 def _rand(R=5, L=13, seed=0):

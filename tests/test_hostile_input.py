@@ -207,3 +207,28 @@ def test_eval_writes_each_method_as_it_finishes(ckpt, tmp_path, monkeypatch, cap
                    "--gen-length", "8", "--block-length", "8", "--quiet", "--out", str(out)])
     assert code == 130
     assert [json.loads(l)["method"] for l in out.read_text().splitlines()] == ["greedy", "greedy"]
+
+
+def test_huge_counts_are_refused_or_cost_what_the_whole_row_costs(ckpt, capsys):
+    """Integers beyond 2**31 - 1 are no setting (they overflowed tensors: tracebacks); up to it, a window
+    wider than the block or billions of steps decode as the widest real one (a list of the steps was built:
+    a hang eating GBs; the window's padding was allocated)."""
+    from engine.generate import main
+
+    from support import run_main
+
+    base = ["t5 t6", "--model", str(ckpt), "--gen-length", "16", "--block-length", "8", "--json", "--threads", "1"]
+    for flags, msg in ((["--method", "localleap", "--window", str(10 ** 23)], "window must be <= 2147483647"),
+                       (["--method", "threshold", "--editing-threshold", "0.5", "--max-post-steps", str(10 ** 23)],
+                        "max post steps must be <= 2147483647")):
+        rc, out, err = run_main(main, base + flags, capsys)
+        assert rc == 2 and out == "" and err.strip().splitlines() == [f"error: {msg}, got {10 ** 23}"]
+
+    def tokens(*flags):
+        rc, out, err = run_main(main, base + list(flags), capsys)
+        assert rc == 0, err
+        return json.loads(out)["token_ids"]
+
+    assert tokens("--method", "localleap", "--window", str(2 ** 31 - 1)) == tokens("--method", "localleap",
+                                                                                     "--window", "8")
+    assert tokens("--method", "topk", "--steps", str(2 ** 31 - 2)) == tokens("--method", "topk", "--steps", "16")

@@ -180,3 +180,15 @@ def test_continuous_batching_refuses_a_uniform_model(models):
 
     with pytest.raises(InputError, match="continuous batching does not decode a diffusion_gemma model"):
         LiveBatch(Decoder(models["c8"][0]))
+
+
+def test_a_stability_threshold_beyond_the_steps_keeps_no_longer_history(models):
+    """A canvas takes max_denoising_steps steps at most, so a threshold beyond them stops as that many:
+    the same tokens as transformers' at that many, with no history of the given length (10**9 steps of
+    history was a 64 GB allocation and a traceback)."""
+    model, hf = models["c8"]
+    for seed in range(4):
+        options = dict(max_denoising_steps=4, confidence_threshold=50.0)
+        want = _reference(hf, [[5, 6, 7]], seed, 16, {**options, "stability_threshold": 4})
+        got = engine.generate(model, [[5, 6, 7]], seed=seed, gen_length=16, stability_threshold=10 ** 9, **options)
+        assert [r.token_ids for r in got] == want, seed
