@@ -10,7 +10,7 @@ import operator
 
 from .errors import InputError
 from .graph import DraftGraph
-from .methods import METHODS, Method, methods_taking
+from .methods import METHODS, Method, methods_taking, policy_methods
 from .options import OPTIONS, RUNTIME, join
 from .policies import Policy
 
@@ -93,8 +93,13 @@ class DecodeConfig:
         takes = self.spec.takes(self)
         for name in self.given:
             if not OPTIONS[name].general and name not in takes:
-                raise InputError(f"{OPTIONS[name].what} applies to {join(methods_taking(name))}, "
-                                 f"not to {self.method}")
+                taking = methods_taking(name)
+                if self.method in taking:        # psd takes it through other policies than the chosen one
+                    pols = [p for p in policy_methods() if name in METHODS[p].policy.params]
+                    pols = ", ".join(pols[:-1]) + " or " + pols[-1] if len(pols) > 1 else pols[0]
+                    raise InputError(f"{OPTIONS[name].what} applies to {self.method} with --policy {pols}, not "
+                                     f"with {self.policy_name}")
+                raise InputError(f"{OPTIONS[name].what} applies to {join(taking)}, not to {self.method}")
         if self.graph is not None and "depth" in self.given:
             raise InputError("give a draft graph or a depth, not both (the graph fixes the depth)")
         if self.cross_block and self.cache != "none":

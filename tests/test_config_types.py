@@ -117,3 +117,17 @@ def test_frozen_and_hashable():
 def test_a_method_that_is_no_string_is_an_unknown_method():
     with pytest.raises(InputError, match="unknown method"):
         DecodeConfig(method=["psd"]).validate()
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(kappa=0.9), "kappa applies to psd with --policy localleap, not with confidence"),
+    (dict(policy_name="greedy", threshold=0.5), "threshold applies to psd with --policy confidence, localleap, left or "
+                                                "threshold, not with greedy"),
+    (dict(steps=8), "steps applies to psd with --policy topk or random, not with confidence"),
+])
+def test_a_psd_option_of_another_policy_names_the_policies_that_take_it(given, message):
+    """psd takes a policy's options through that policy only: the error names which (it said "kappa
+    applies to localleap and psd, not to psd")."""
+    with pytest.raises(InputError) as e:
+        DecodeConfig(method="psd", **given).validate()
+    assert str(e.value) == message
