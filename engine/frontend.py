@@ -8,6 +8,7 @@ MODULE_OR_FILE`, `$PSD_PLUGINS`, or the `psd_engine.plugins` entry-point group o
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import os
@@ -296,11 +297,16 @@ def with_suggestions(options: dict, suggested: dict | None) -> dict:
     return out
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)    # a write the disk cannot take
+
+
 def guarded(run, *args, errors: tuple = ()) -> int:
     """Run a command's body: bad input (InputError, CheckpointError and `errors`) becomes one
     `error:` line on stderr and exit status 2."""
     try:
-        return run(*args)
+        rc = run(*args)
+        sys.stdout.flush()              # a write that fails (a full disk) fails here, not at exit
+        return rc
     except (InputError, CheckpointError, DecodingError) + errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -309,6 +315,12 @@ def guarded(run, *args, errors: tuple = ()) -> int:
     except BrokenPipeError:             # the reader went away (`| head`): no traceback, no more output
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:
+        if e.errno not in _FULL:
+            raise
+        print(f"error: cannot write {e.filename or 'the output'}: {e.strerror}", file=sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())     # the rest of the buffer goes nowhere
+        return 1
 
 
 def add_plugin_flag(p: argparse.ArgumentParser) -> None:

@@ -103,6 +103,17 @@ def test_broken_pipe_is_quiet(ckpt):
     assert "Traceback" not in res.stderr.decode() and "BrokenPipe" not in res.stderr.decode()
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_is_one_error_line(ckpt):
+    with open("/dev/full", "wb") as full:
+        res = subprocess.run([sys.executable, "-m", "engine.generate", "t5 t6", "--model", str(ckpt), "--json",
+                              "--gen-length", "16", "--block-length", "8"], cwd=ROOT, env=ENV, stdout=full,
+                             stderr=subprocess.PIPE, timeout=120)
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "error: cannot write the output: No space left on device"
+
+
 def test_api_prompt_ids_must_be_integers(ckpt):
     model = load_model(ckpt)
     for bad, msg in (([[5.0, 6.7]], "not an integer"), ([[True, 5]], "bool"), (["abc"], "not a list of token ids"),
