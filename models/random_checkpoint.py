@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from .checkpoint import init_random, save_checkpoint
 from .config import FAMILIES, ModelConfig
+from .errors import CheckpointError
 
 
 def make_tokenizer(path: Path, vocab_size: int, specials: dict[int, str]) -> None:
@@ -62,30 +64,63 @@ def make_checkpoint(path: Path, family: str = "llada", seed: int = 0, std: float
     return path, model
 
 
+# what a checkpoint directory's reader consults that `make_checkpoint` does not write: removed by
+# --overwrite, or a stale one would change the new checkpoint (an old generation_config.json's EOS,
+# a chat_template.jinja, old weight shards)
+NOT_WRITTEN = ("generation_config.json", "chat_template.jinja", "tokenizer.model", "special_tokens_map.json",
+               "model-*-of-*.safetensors")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as the engine's commands (models/ sits below engine/)
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _check(args) -> None:
+    if not 0 <= args.seed < 2 ** 63:
+        raise CheckpointError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if not math.isfinite(args.eos_bias):
+        raise CheckpointError(f"--eos-bias must be finite, got {args.eos_bias}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise CheckpointError(f"{out} is not empty (a checkpoint there would be replaced): choose a new directory, or "
+                         f"--overwrite")
+
+
+def _run(args) -> int:
+    _check(args)
+    out = Path(args.out)
+    try:
+        if out.is_dir():
+            for pattern in NOT_WRITTEN:
+                for stale in out.glob(pattern):
+                    stale.unlink()
+        path, model = make_checkpoint(out, args.family, seed=args.seed, eos_bias=args.eos_bias)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+    n = sum(t.numel() for t in model.parameters())
+    print(f"wrote a random {args.family} checkpoint ({n} parameters) to {path}")
+    return 0
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m models.random_checkpoint", description="write a tiny random checkpoint")
+    p = _Parser(prog="python -m models.random_checkpoint", description="write a tiny random checkpoint",
+                allow_abbrev=False)
     p.add_argument("out", help="directory to write")
     p.add_argument("--family", default="llada", choices=FAMILIES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eos-bias", type=float, default=8.0, help="make EOS likely so generations stop early")
-    p.add_argument("--overwrite", action="store_true", help="write into a directory that is not empty")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a directory that is not empty, replacing the checkpoint there (its config, "
+                        "weights, tokenizer, generation config and chat template files; other files stay)")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"error: {out} exists and is not a directory", file=sys.stderr)
-        return 2
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        print(f"error: {out} is not empty (a checkpoint there would be replaced): choose a new directory, or "
-              f"--overwrite", file=sys.stderr)
-        return 2
     try:
-        path, model = make_checkpoint(out, args.family, seed=args.seed, eos_bias=args.eos_bias)
-    except OSError as e:
-        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return _run(args)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    n = sum(t.numel() for t in model.parameters())
-    print(f"wrote a random {args.family} checkpoint ({n} parameters) to {path}")
-    return 0
 
 
 if __name__ == "__main__":

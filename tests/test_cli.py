@@ -277,6 +277,34 @@ def test_random_checkpoint_never_replaces_what_a_directory_holds(tmp_path, capsy
     assert len(err) == 2 and all(line.startswith("error: ") for line in err), err
 
 
+def test_random_checkpoint_overwrite_leaves_nothing_stale_and_bad_flags_are_one_line(tmp_path, capsys):
+    """--overwrite replaces a checkpoint whole: a generation_config.json it does not write would have
+    changed the new one's EOS (tokens [56, 5] instead of 29 of them); other files stay. A seed beyond
+    the generator's, a non-finite EOS bias (it wrote an unloadable checkpoint) and a bad family are one
+    `error:` line, not a traceback or argparse's usage block."""
+    from models import load_model
+    from models.random_checkpoint import main as random_checkpoint
+    from support import run_main
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "generation_config.json").write_text('{"eos_token_id": 5}')
+    (old / "chat_template.jinja").write_text("{{ messages }}")
+    (old / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    (old / "notes.txt").write_text("mine")
+    assert random_checkpoint([str(old), "--overwrite"]) == 0
+    assert sorted(p.name for p in old.iterdir()) == ["config.json", "model.safetensors", "notes.txt",
+                                                      "tokenizer.json", "tokenizer_config.json"]
+    assert random_checkpoint([str(tmp_path / "fresh")]) == 0
+    assert load_model(old).config.eos_token_id == load_model(tmp_path / "fresh").config.eos_token_id
+    capsys.readouterr()
+    for flags, words in ((["--seed", str(10 ** 23)], "--seed must be in"), (["--eos-bias", "nan"], "must be finite"),
+                         (["--family", "gpt2"], "invalid choice")):
+        rc, _, err = run_main(random_checkpoint, [str(tmp_path / "new"), *flags], capsys)
+        assert rc == 2 and err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "new").exists()
+
+
 def test_stream_text_waits_for_a_run_of_byte_tokens(tmp_path):
     """--stream prints a byte-fallback run's text only once it ends (a later byte can turn an "é" shown
     into U+FFFDs): the printed pieces are the text of the answer."""
