@@ -159,9 +159,12 @@ def _explain(args, out: dict) -> None:
     answer = getattr(args, "sample_answer", None)
     if answer is not None and answer.is_file():
         print(f"reference answer: {answer.read_text(encoding='utf-8').strip()}", file=sys.stderr)
-    if not out["text"].strip():
+    if not out["text"].strip() and Path(args.model).resolve() == DEFAULT_MODEL_DIR.resolve():
         print("note: the model generated no text; the shipped demo model only knows its math/code suite "
               "formats ('Question: ...\\nAnswer: '), see README", file=sys.stderr)
+    elif not out["text"].strip():
+        print("note: the model generated no text (its first token was a stop token, or only special tokens)",
+              file=sys.stderr)
     print("tokens = generated tokens, calls = model calls, tpf = tokens per call (higher: fewer calls), "
           "rows/call = canvases per call (drafts verified together); try --method psd --policy confidence "
           "--depth 3, or --method confidence --threshold 0.9", file=sys.stderr)

@@ -123,7 +123,7 @@ class DecodeConfig:
         needs = self.spec.policy_class(self).score
         if needs is not None and self.given.get("score", needs) != needs:
             raise InputError(f"{self.policy_name if self.method == 'psd' else self.method} reads the {needs} score: "
-                             f"give --score {needs} or none, not {self.score}")
+                             f"give --score {needs} or leave --score out, not {self.score}")
         self.spec.policy_class(self).check(self)
         object.__setattr__(self, "_valid", True)
         return self
@@ -258,9 +258,11 @@ def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | list[int] | N
             raise InputError(f"prompt {n} holds a token id outside the vocabulary of size {mc.vocab_size}")
         if mc.mask_token_id in ids:
             raise InputError(f"prompt {n} contains the mask token (id {mc.mask_token_id})")
-        if len(ids) + gen_length + (-(len(ids) + gen_length) % dc.block_length if dc.aligned(mc) else 0) \
-                > mc.max_length:
-            raise InputError(f"prompt {n} of {len(ids)} tokens plus gen length {gen_length} exceeds "
+        pad = -(len(ids) + gen_length) % dc.block_length if dc.aligned(mc) else 0
+        if len(ids) + gen_length + pad > mc.max_length:
+            aligned = (f" and {pad} positions that align the sequence to whole blocks of {dc.block_length} "
+                       f"(blocks counted from its first token)") if pad else ""
+            raise InputError(f"prompt {n} of {len(ids)} tokens plus gen length {gen_length}{aligned} exceeds "
                              f"the model's maximum length {mc.max_length}")
         dc.spec.policy_class(dc).validate_request(dc, ids, gen_length)      # the policy's own word on it
         out.append(ids)

@@ -298,7 +298,7 @@ for _o in (
            choices=("policy", "confidence")),
     Option("k", int, "lopa: branches; ete: blocks per window; fdm: future steps", 3,
            check=_between(1, MAX_NODES - 1, f"lopa and fdm build a draft graph of k or k + 1 nodes, at most "
-                                            f"{MAX_NODES}")),
+                                            f"{MAX_NODES}; ete's windows are bounded alike")),
 ):
     register(_o)
 

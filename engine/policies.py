@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import psd_kernels
 
 from .errors import InputError
-from .options import Option, _short
+from .options import Option, _short, _unit
 
 NEG_INF = float("-inf")
 SCHEDULES = ("llada", "dream")
@@ -294,10 +294,6 @@ class Confidence(Policy):
         return f"confidence(tau={self.tau})"
 
 
-def _positive(label, v):
-    return None if v > 0 else f"{label} must be > 0, got {v}"
-
-
 @dataclass(frozen=True)
 class Threshold(Policy):
     """LLaDA2.x's rule (the authors' generate(), diffusers' BlockRefinementScheduler): a block has
@@ -325,7 +321,7 @@ class Threshold(Policy):
                        label="block steps"),
                 Option("editing_threshold", float, "token editing: a committed, non-prompt token of the open block "
                        "is replaced by the model's prediction when that is another token with confidence above "
-                       "this (LLaDA2.1's editing; off when not given)", label="editing threshold", check=_positive),
+                       "this (LLaDA2.1's editing; off when not given)", label="editing threshold", check=_unit),
                 Option("max_post_steps", int, "with editing: at most this many + 1 editing passes after a block's "
                        "last mask is filled (LLaDA2's max_post_steps)", label="max post steps",
                        check=lambda l, v: None if v >= 0 else f"{l} must be >= 0, got {v}"))

@@ -5,6 +5,7 @@ and hashable (engine/config.py)."""
 from __future__ import annotations
 
 import pickle
+import re
 import typing
 from dataclasses import dataclass
 
@@ -131,3 +132,26 @@ def test_a_psd_option_of_another_policy_names_the_policies_that_take_it(given, m
     with pytest.raises(InputError) as e:
         DecodeConfig(method="psd", **given).validate()
     assert str(e.value) == message
+
+
+def test_messages_name_the_real_problem(tmp_path, capsys):
+    """What a user was told wrongly: an editing threshold above 1 (it never edits) is refused like the
+    threshold; eb's score advice offers only values --score takes; a block longer than the model
+    under --align sequence names the alignment, not the gen length; ete's k bound names ete; the
+    shipped-model note is for the shipped model only."""
+    from engine.generate import main
+    from models.random_checkpoint import make_checkpoint
+    from support import run_main
+
+    for given, message in ((dict(method="threshold", editing_threshold=2.0), "editing threshold 2.0 is outside (0, 1]"),
+                           (dict(method="eb", score="prob"), "give --score entropy or leave --score out, not prob"),
+                           (dict(method="ete", k=10 ** 6), "ete's windows are bounded alike")):
+        with pytest.raises(InputError, match=re.escape(message)):
+            DecodeConfig(**given).validate()
+    rc, _, err = run_main(main, ["x", "--threads", "1", "--align", "sequence", "--block-length", "300",
+                                 "--gen-length", "32"], capsys)
+    assert rc == 2 and "positions that align the sequence to whole blocks of 300" in err, err
+    ckpt, _ = make_checkpoint(tmp_path / "m", "llada", eos_bias=100.0)        # answers with EOS at once
+    rc, out, err = run_main(main, ["t5", "--model", str(ckpt), "--threads", "1", "--gen-length", "8",
+                                   "--block-length", "8"], capsys)
+    assert rc == 0 and "the model generated no text" in err and "shipped demo model" not in err, err
