@@ -305,7 +305,8 @@ def guarded(run, *args, errors: tuple = ()) -> int:
     `error:` line on stderr and exit status 2."""
     try:
         rc = run(*args)
-        sys.stdout.flush()              # a write that fails (a full disk) fails here, not at exit
+        if sys.stdout is not None:
+            sys.stdout.flush()          # a write that fails (a full disk) fails here, not at exit
         return rc
     except (InputError, CheckpointError, DecodingError) + errors as e:
         print(f"error: {e}", file=sys.stderr)

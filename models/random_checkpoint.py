@@ -85,8 +85,8 @@ def _check(args) -> None:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise CheckpointError(f"{out} is not empty (a checkpoint there would be replaced): choose a new directory, or "
-                         f"--overwrite")
+        raise CheckpointError(f"{out} is not empty (a checkpoint there would be replaced): choose a new "
+                              f"directory, or --overwrite")
 
 
 def _run(args) -> int:
