@@ -248,7 +248,7 @@ for _o in (
            "gen length", label="--ignore-eos", general=True),
     Option("min_tokens", int, "no stop token in a sequence's first N generated positions (their logits are -inf "
            "there), so no answer ends before N tokens (0: off; N >= gen length: --ignore-eos)", 0, "--min-tokens",
-           check=_at_least(0), general=True, metavar="N"),
+           check=_at_least(0), general=True, metavar="N", most=None),     # a bar: any size past the canvas is whole
     Option("top_logprobs", int, "also record, per committed token, the k most likely tokens and their probabilities "
            "in the output that committed it (SequenceResult.commit_top; 0: off)", 0, "--top-logprobs",
            check=_between(0, MAX_TOP_LOGPROBS, "the most alternatives recorded per token"), general=True,
