@@ -236,6 +236,24 @@ def exact_int(value) -> int:
     return operator.index(value)
 
 
+def check_seeds(seeds, n: int) -> list | None:
+    """Per-sequence sampling seeds (`Decoder.start`, `LiveBatch.add`): None, or `n` of them, each None
+    (the config's seed + its row) or an integer in the seed option's range; else InputError."""
+    if seeds is None:
+        return None
+    if isinstance(seeds, (str, bytes)) or not isinstance(seeds, (list, tuple)):
+        raise InputError(f"seeds must be a list (one per prompt), got {type(seeds).__name__}")
+    if len(seeds) != n:
+        raise InputError(f"{len(seeds)} seeds for {n} prompts")
+    out = []
+    for s in seeds:
+        try:
+            out.append(None if s is None else OPTIONS["seed"].validate(exact_int(s)))
+        except TypeError:
+            raise InputError(f"a seed must be an integer, got {s!r}") from None
+    return out
+
+
 def check_prompts(mc, dc: DecodeConfig, prompts, gen_length: int | list[int] | None = None) -> list[list[int]]:
     """Validate a batch of prompts (token-id lists) against a model config, each to be followed by
     `gen_length` generated positions (default the config's; a list: one per prompt); returns int lists."""

@@ -411,18 +411,6 @@ def _check_replaced(name: str, module, before) -> None:
 
 def resolve_device(name: str) -> str:
     """A torch device string from cpu, cuda, cuda:N or auto (CUDA when present); bad names are InputErrors."""
-    import torch
+    from models.checkpoint import checked_device
 
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"unknown device {name!r}; expected cpu, cuda, cuda:N or auto") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise InputError(f"device {name!r} is not supported; expected cpu, cuda, cuda:N or auto")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {name} requested but CUDA is not available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise InputError(f"device {name} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
-    return str(dev)
+    return str(checked_device(name, InputError))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import check_prompts, exact_int
+from .config import check_prompts, check_seeds, exact_int
 from .errors import InputError
 from .results import SequenceResult, collect_results, ended_rows
 from .state import Batch
@@ -64,8 +64,13 @@ class LiveBatch:
     def __init__(self, decoder, max_rows: int | None = None, rolling: bool | None = None):
         """`rolling`: rows keep their own block cursors (`Decoder.start`); default where the decoder
         can (`Decoder.rolls`)."""
-        if max_rows is not None and max_rows < 1:
-            raise InputError(f"max_rows must be >= 1, got {max_rows}")
+        if max_rows is not None:
+            try:
+                max_rows = exact_int(max_rows)
+            except TypeError:
+                raise InputError(f"max_rows must be an integer, got {max_rows!r}") from None
+            if max_rows < 1:
+                raise InputError(f"max_rows must be >= 1, got {max_rows}")
         check_batchable(decoder.mc)
         self.dec, self.max_rows = decoder, max_rows
         if rolling:
@@ -90,6 +95,7 @@ class LiveBatch:
         dc = self.dec.dc
         g = dc.gen_length if gen_length is None else gen_length
         ids = check_prompts(self.dec.mc, dc, [prompt_ids], gen_length=g)[0]       # and the gen length
+        seed = check_seeds([seed], 1)[0]
         handle, self.issued = self.issued, self.issued + 1
         self.waiting.append((handle, ids, g, seed))
         return handle

@@ -31,7 +31,7 @@ from .ahead import carry_over, draft_across, first_output, keep_ahead
 from .budget import DraftBudget, shape_key
 from .cost import host_key
 from .cache import CACHE_MODES, Window
-from .config import DecodeConfig, check_prompts, exact_int
+from .config import DecodeConfig, check_prompts, check_seeds, exact_int
 from .errors import InputError
 from .graph import make_plan
 from .graphs import graphed
@@ -54,6 +54,9 @@ class Decoder:
         every block position in σ [A, W] (masked positions first) and the predictions [A, W]
         drafts would use (offline tools such as graph calibration; it may sync freely).
         `cost_model` (engine.cost.CostModel) fixes the call cost `--draft-budget auto` plans with."""
+        if not isinstance(model, Transformer):
+            raise InputError(f"model must be a loaded model (models.load_model or engine.load), got "
+                             f"{type(model).__name__}" + (" (a path: load it first)" if isinstance(model, str) else ""))
         _check_config(config)
         self.trace = trace
         self.model = model
@@ -327,8 +330,7 @@ class Decoder:
             raise InputError(f"gen_lengths must be a list (one gen length per prompt), got "
                              f"{type(gen_lengths).__name__}")
         checked = check_prompts(self.mc, self.dc, prompts, gen_length=gen_lengths)   # one per prompt, or None
-        if seeds is not None and len(seeds) != len(prompts):
-            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        seeds = check_seeds(seeds, len(checked))
         lengths = None if gen_lengths is None else list(gen_lengths)
         return BatchState(self._new_batch(checked, lengths, seeds), live=live, rolling=rolling,
                           t0=time.perf_counter(), sent=[0] * len(checked))

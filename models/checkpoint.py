@@ -433,6 +433,24 @@ class SkipMetaInit(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def checked_device(name, error=CheckpointError) -> torch.device:
+    """`name` (cpu, cuda, cuda:N, auto or a torch.device) as a device this process can load onto; else `error`
+    in one line (torch raises assertion and parse errors of its own, or fails later on a meta tensor)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise error(f"unknown device {name!r}; expected cpu, cuda, cuda:N or auto") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise error(f"device {name!r} is not supported; expected cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise error(f"device {name} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise error(f"device {name} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return dev
+
+
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                check_finite: bool = True, tp: TensorParallel | None = None) -> Transformer:
     """Load a checkpoint directory of any supported family into a `Transformer` (eval mode).
@@ -442,6 +460,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
     in docs/models.md); `check_finite=False` skips it for callers that have validated the files.
     With `tp` (models/parallel.py) the model is this rank's shard: each split tensor is read as
     this rank's slice only (safetensors `get_slice`), never whole."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"the model directory must be a str or a path, got {type(path).__name__}")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist or is not a directory")
@@ -451,6 +471,9 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32", de
         if dtype not in DTYPES:
             raise CheckpointError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
+    elif dtype not in DTYPES.values():
+        raise CheckpointError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)} (or its torch dtype)")
+    device = str(checked_device(device))
     config = ModelConfig.from_dir(path)
     tp = tp if tp is not None and tp.world > 1 else None
     world = tp.world if tp is not None else 1

@@ -173,3 +173,39 @@ def test_a_refused_registration_leaves_the_tables_as_they_were():
     assert _tables() == before                         # was: `orphan` registered all the same
     with pytest.raises(TypeError, match="register takes an engine.Method"):
         register("broken")
+
+
+def test_an_embedders_wrong_arguments_are_typed_one_line_errors(model, tmp_path):
+    """What an embedder gets wrong: a path or None for the model, a float batch size, per-sequence
+    seeds of the wrong type or range (they were wrapped mod 2**64, 2**70 decoding as seed 0, or failed in a
+    later step shared with other sequences), a torch dtype or device the loader cannot use (torch's own
+    assertion, parse and NotImplemented errors), a model directory that is no path."""
+    from models import CheckpointError, load_model, save_checkpoint
+
+    with pytest.raises(InputError, match="model must be a loaded model .* got str \\(a path: load it first\\)"):
+        generate("models/default", PROMPTS)
+    with pytest.raises(InputError, match="model must be a loaded model"):
+        Decoder(None, DecodeConfig())
+    sampled = Decoder(model, DecodeConfig(gen_length=8, block_length=8, temperature=1.0, sampler="row"))
+    with pytest.raises(InputError, match="max_rows must be an integer, got 2.5"):
+        LiveBatch(sampled, max_rows=2.5)
+    live = LiveBatch(sampled)
+    for seed, message in (("x", "a seed must be an integer, got 'x'"), (1.5, "a seed must be an integer"),
+                          (-1, "seed must be in \\[0, 2\\*\\*64\\)"), (2 ** 70, "seed must be in")):
+        with pytest.raises(InputError, match=message):
+            live.add(PROMPTS[0], seed=seed)
+        with pytest.raises(InputError, match=message):
+            list(sampled.stream(PROMPTS[:1], seeds=[seed]))
+    assert live.waiting == []                                          # nothing half-queued
+    same = [r.token_ids for r in sampled.generate(PROMPTS[:1])]
+    assert [r.token_ids for r in list(sampled.stream(PROMPTS[:1], seeds=[DecodeConfig().seed]))[-1].results] == same
+    path = save_checkpoint(model, tmp_path / "m")
+    for kwargs, message in ((dict(dtype=torch.int64), "unknown dtype torch.int64"),
+                            (dict(device="tpu"), "unknown device 'tpu'"),
+                            (dict(device="meta"), "device 'meta' is not supported"),
+                            (dict(device="cuda:7"), "device cuda:7 requested but")):
+        with pytest.raises(CheckpointError, match=message):
+            load_model(path, **kwargs)
+    with pytest.raises(CheckpointError, match="the model directory must be a str or a path, got NoneType"):
+        load_model(None)
+    assert load_model(path, dtype=torch.bfloat16, device="auto").tok_embeddings.weight.dtype == torch.bfloat16
