@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     a.add_argument("--gen", type=thread_count, default=64, help="gen length of both sides (default 64)")
     a.add_argument("--block", type=thread_count, default=32, help="the engine's block length (default 32)")
     a.add_argument("--cache", default="none", choices=("none", "prefix", "dual"), help="the engine's cache mode")
-    a.add_argument("--threads", type=threads_value, default=1, metavar="N", help="torch threads and the CLI's -t/-tb (default 1)")
+    a.add_argument("--threads", type=threads_value, default=1, metavar="N",
+                   help="torch threads and the CLI's -t/-tb (default 1)")
     a.add_argument("--gemm", choices=GEMMS, default="torch", help="the engine's matmul backend")
     a.add_argument("--work", help="GGUF and shim directory (default PEER/work)")
     a.add_argument("--out", help="write the per-problem records as JSON")
