@@ -59,6 +59,33 @@ def spec_label(cfg: DecodeConfig, spec_options: dict) -> str:
     return cfg.describe() + (f"[{','.join(own)}]" if own else "")
 
 
+def _resolved(cfg: DecodeConfig):
+    """What `cfg` decodes, with every policy parameter at its resolved value: `confidence` and
+    `confidence:threshold=0.9` (its default) are one configuration, though their configs differ."""
+    pol = cfg.spec.policy_class(cfg)
+    return pol.from_config(cfg), {k: v for k, v in cfg.as_dict().items() if k not in pol.params}
+
+
+def check_distinct(entries, where: str = "") -> None:
+    """`entries`: (spec text, config, table label) of one run's method specs. Two that decode the same
+    configuration are an error (give each once), and so are two that decode differently under one
+    label (their rows would be merged: a label is what tables and records are keyed by)."""
+    for i, (spec, cfg, label) in enumerate(entries):
+        for other, ocfg, olabel in entries[:i]:
+            if cfg == ocfg or _resolved(cfg) == _resolved(ocfg):
+                raise InputError(f"the method specs {other} and {spec} decode the same configuration{where}; "
+                                 f"give each once")
+            if label == olabel:
+                raise InputError(f"the method specs {other} and {spec} decode differently but share the label "
+                                 f"{label} (their results would be merged; what differs is not in the method's "
+                                 f"describe()): run them separately")
+
+
+def spec_text(name: str, opts: dict) -> str:
+    """A parsed method spec written back (`psd:depth=3,threshold=0.8`)."""
+    return name + (":" + ",".join(f"{k}={_value(v)}" for k, v in opts.items()) if opts else "")
+
+
 def _value(v) -> str:
     return str(int(v)) if isinstance(v, bool) else str(v)
 
@@ -493,17 +520,13 @@ def _method_specs(args, mc: ModelConfig | None = None) -> list[tuple[str, dict]]
     if not uniform:                                 # a masked model: bench.eval's defaults
         args.block_length = 32 if args.block_length is None else args.block_length
         args.cache = "none" if args.cache is None else args.cache
-    seen = {}
+    entries = []
     for name, opts in specs:                        # every spec is checked before the first one runs
         cfg = method_config(name, opts, mc if uniform else None, gen_length=args.gen_length,
                             block_length=args.block_length, cache=args.cache)
-        label = spec_label(cfg, opts)
-        same = next((other for other, c in seen.items() if c == cfg), None)
-        if same is not None:
-            raise InputError(f"the method specs {same} and {label} decode the same configuration "
-                             f"(with --cache {args.cache}, --gen-length {args.gen_length}, --block-length "
-                             f"{args.block_length}); give each once")
-        seen[label] = cfg
+        entries.append((spec_text(name, opts), cfg, spec_label(cfg, opts)))
+    check_distinct(entries, f" (with --cache {args.cache}, --gen-length {args.gen_length}, --block-length "
+                            f"{args.block_length})")
     if uniform:                                     # what the model decodes: whole canvases of its length
         args.gen_length, args.block_length = cfg.gen_length, cfg.block_length
     return specs

@@ -68,7 +68,7 @@ from models.checkpoint import available_memory
 
 from . import simulate
 from ._common import THREADS_HELP, bench_threads, device_name, versions, write_rows
-from .eval import method_config, parse_method, spec_label
+from .eval import check_distinct, method_config, parse_method, spec_label, spec_text
 from .workload import (SHAPES, build_random, cached_block, call_mode, checkpoint_prompts, fit_length, kv_width,
                        param_count, random_prompts, settle_run, shape_config, verification_call)
 
@@ -177,9 +177,12 @@ def no_draft_baseline(name: str, opts: dict) -> tuple[str, dict] | None:
 
 def method_plan(specs: list[str]) -> list[dict]:
     """Methods to run, in order: greedy first, each method's no-draft baseline before it (added
-    where not listed); duplicates (same label) once. Each: name, opts, label, and the labels of
-    its two baselines (greedy, and the same policy without drafts or None)."""
+    where not listed; one that is listed runs once). Specs listed twice, or two under one label, are an
+    error (`check_distinct`). Each: name, opts, label, and the labels of its two baselines (greedy, and
+    the same policy without drafts or None)."""
     parsed = [parse_method(s) for s in specs]
+    check_distinct([(spec_text(name, opts), DecodeConfig(method=name, **opts).validate(), method_label(name, opts))
+                    for name, opts in parsed])          # listed twice, or two rows merged under one label: refused
     listed = {method_label(name, opts) for name, opts in parsed}
     plan, seen = [], {}
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench import speed, workload
+from engine import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -239,3 +240,13 @@ def test_gpu_report_dry_run(tmp_path):
                                                    "vs_baseline_median", "device", "command"})
     assert {r["batch"] for r in e2e} == {"1", "4"} and {r["cache"] for r in e2e} == {"none", "dual"}
     assert len({r["method"] for r in e2e}) == 5
+
+
+@pytest.mark.parametrize("specs, words", [
+    (["greedy", "greedy"], "decode the same configuration"),                     # was run once, silently
+    (["confidence", "confidence:threshold=0.9"], "decode the same configuration"),
+    (["fdm:k=2", "fdm:k=2,threshold=0.5"], "decode differently but share the label"),   # was: the second never ran
+])
+def test_method_plan_refuses_a_spec_twice_or_two_under_one_label(specs, words):
+    with pytest.raises(InputError, match=words):
+        speed.method_plan(specs)
