@@ -420,9 +420,10 @@ class PsdLM(LM):
             self._warn_once("truncate", "left-truncating prompts that do not fit the model's window of %d "
                             "tokens (counted per task in the statistics)", self.max_length)
             return ids[len(ids) - room:]
+        fix = ("pass truncate=left in --model_args to keep its last tokens, or shorten the prompt or the generation"
+               if room >= 1 else "the generation alone fills the window: shorten it (gen_length)")
         raise InputError(f"{_request_label(req)}: {what} of {len(ids)} tokens leaves no room in the model's window "
-                         f"of {self.max_length} tokens (room: {room}); pass truncate=left in --model_args to keep "
-                         f"its last tokens, or shorten the prompt or the generation")
+                         f"of {self.max_length} tokens (room: {room}); {fix}")
 
     # ---------------------------------------------------------------- generate_until
     def _plan(self, gen_kwargs: dict) -> tuple[int, int, tuple[str, ...]]:
@@ -749,6 +750,11 @@ def main(argv: list[str] | None = None) -> int:
         with _OfflineTasks():
             cli_evaluate()
     except (InputError, CheckpointError, SandboxUnavailable) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except ValueError as e:           # lm-eval's own word on a task name it cannot find (a typo)
+        if not str(e).startswith("Tasks not found"):
+            raise
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if PsdLM.last is not None and PsdLM.last.stats:

@@ -273,6 +273,10 @@ def test_prompt_longer_than_the_window(tasks_dir):
     r = Decoder(lm.model, cfg).generate([kept])[0]
     assert got == [cut_at_stop(tok.decode(r.token_ids[:MAX_GEN_TOKS]), UNTIL)]
     assert lm.stats_summary()[TASK]["truncated"]["requests"] == 1
+    full = Instance("generate_until", doc, (long_prompt, {"until": list(UNTIL), "max_gen_toks": 256}), 0, (TASK, 8, 1))
+    with pytest.raises(InputError, match="the generation alone fills the window: shorten it") as e:
+        lm.generate_until([full], disable_tqdm=True)          # truncate=left cannot help: not offered again
+    assert "truncate=left" not in str(e.value)
 
 
 def test_explicit_gen_length_is_the_canvas():
@@ -518,3 +522,6 @@ def test_cli_bad_model_args_exit_2(tasks_dir, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "error: unknown model_arg 'bogus' for the psd model; valid: " in err
     assert "Traceback" not in err
+    rc = adapter.main(["--model", "psd", "--tasks", TASK + "_misspelt", "--include_path", str(tasks_dir)])
+    err = capsys.readouterr().err          # lm-eval's ValueError was a traceback with exit status 1
+    assert rc == 2 and f"error: Tasks not found: {TASK}_misspelt" in err and "Traceback" not in err
