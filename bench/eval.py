@@ -46,6 +46,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
         if not eq or key.strip() not in spellings():
             raise InputError(f"bad method option {item!r} in {spec!r}; keys: {', '.join(spellings())}")
         option = resolve(key.strip())
+        if option.name in opts:        # `d=3,depth=4`: which one was meant? (as lm-eval's model_args refuse it)
+            raise InputError(f"decoding option {option.name} is given twice in {spec!r}")
         opts[option.name] = option.parse(val)
     return name.strip(), opts
 

@@ -190,6 +190,9 @@ def test_parse_method_specs():
         parse_method("psd:depth")
     with pytest.raises(InputError, match="bad value"):
         parse_method("psd:d=three")
+    for spec in ("psd:d=3,d=4", "psd:d=3,depth=4", "confidence:tau=0.5,threshold=0.8"):   # the last one won
+        with pytest.raises(InputError, match="is given twice in"):
+            parse_method(spec)
 
 
 def test_specs_differing_only_in_general_options_are_separate_rows(tiny, tmp_path, capsys):
