@@ -12,6 +12,7 @@ globals Hugging Face provides (`raise_exception`, `strftime_now`, a JSON `tojson
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 from pathlib import Path
@@ -150,7 +151,16 @@ class Tokenizer:
         return enc.ids, [tuple(o) for o in enc.offsets]
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids if int(i) >= 0 and self._tok.id_to_token(int(i)) is not None]
+        """The text of token ids (ints, numpy or torch integers); ids outside the vocabulary are left out.
+        A float or bool is a TypeError (int() would have made 1.5 token 1: silently another text)."""
+        try:
+            ids = list(ids) if not isinstance(ids, (str, bytes)) else [""]   # (an iterator is read once)
+            if any(isinstance(i, bool) for i in ids):
+                raise TypeError
+            ids = [operator.index(i) for i in ids]
+        except TypeError:
+            raise TypeError("decode takes a list of integer token ids") from None
+        ids = [i for i in ids if i >= 0 and self._tok.id_to_token(i) is not None]
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def continuation(self, ids) -> str:

@@ -239,3 +239,20 @@ def test_no_home_directory_keeps_nothing_and_is_no_error(tmp_path, monkeypatch):
     model = _train("bpe")
     sp = spm.SentencePieceProcessor(model_proto=model)
     assert Tokenizer(_checkpoint(tmp_path / "m", model)).encode("the fox", special=False) == sp.encode("the fox")
+
+
+def test_decode_takes_integer_ids_only(tmp_path):
+    """Ids are ints, numpy or torch integers, or an iterator of them; a float (int() made 1.5 token 1:
+    another text, silently) or a bool is a TypeError; ids outside the vocabulary are left out."""
+    import numpy as np
+    import torch
+
+    model = _train("bpe")
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    tok = Tokenizer(_checkpoint(tmp_path / "m", model))
+    ids = sp.encode("the quick fox")
+    for given in (ids, np.array(ids), torch.tensor(ids), iter(ids), ids + [10 ** 9, -3]):
+        assert tok.decode(given) == sp.decode(ids)
+    for bad in ([1.5], [True], "abc", None):
+        with pytest.raises(TypeError, match="decode takes a list of integer token ids"):
+            tok.decode(bad)
