@@ -154,7 +154,9 @@ class Tokenizer:
         """The text of token ids (ints, numpy or torch integers); ids outside the vocabulary are left out.
         A float or bool is a TypeError (int() would have made 1.5 token 1: silently another text)."""
         try:
-            ids = list(ids) if not isinstance(ids, (str, bytes)) else [""]   # (an iterator is read once)
+            if isinstance(ids, (str, bytes)):
+                raise TypeError
+            ids = list(ids)                            # (an iterator is read once)
             if any(isinstance(i, bool) for i in ids):
                 raise TypeError
             ids = [operator.index(i) for i in ids]
