@@ -65,7 +65,7 @@ def _resolved(cfg: DecodeConfig):
     """What `cfg` decodes, with every policy parameter at its resolved value: `confidence` and
     `confidence:threshold=0.9` (its default) are one configuration, though their configs differ."""
     pol = cfg.spec.policy_class(cfg)
-    return pol.from_config(cfg), {k: v for k, v in cfg.as_dict().items() if k not in pol.params}
+    return pol.from_config(cfg), {k: cfg.spec.resolved(cfg, k) for k in cfg.as_dict() if k not in pol.params}
 
 
 def check_distinct(entries, where: str = "") -> None:

@@ -153,9 +153,7 @@ class DraftConfidence(Selection):
 
     @classmethod
     def build(cls, cfg, policy, graph, mask_id):
-        from .policies import Confidence
-
-        return cls(Confidence.tau if cfg.threshold is None else cfg.threshold, graph, mask_id)
+        return cls(cfg.spec.resolved(cfg, "threshold"), graph, mask_id)     # fdm's τ: its default when not given
 
     def __call__(self, drafts, in_node, valid, vpred, vconf, step, width=None, state=None):
         return threshold_only(self.tau, self.graph, self.mask_id, drafts, in_node, valid, vpred, vconf, step)

@@ -43,6 +43,12 @@ class Method:
     window_blocks: Callable = _one_block     # cfg -> blocks whose positions one step may commit
     describe: Callable = _plain              # (cfg, policy, graph) -> the label in results and tables
     is_policy: bool = False                  # a plain policy, selectable as psd's spatial policy
+    defaults: tuple[tuple[str, object], ...] = ()   # (option, value) a method option of None decodes with
+
+    def resolved(self, cfg, option: str):
+        """What `option` of `cfg` decodes with: its value, or this method's default for it."""
+        value = getattr(cfg, option)
+        return dict(self.defaults).get(option) if value is None else value
 
     def policy_class(self, cfg) -> type[Policy]:
         return self.policy if self.policy is not None else METHODS[cfg.policy_name].policy
@@ -154,6 +160,14 @@ def _windowed(cfg, policy, graph) -> str:
     return f"{cfg.method}(k={cfg.k},{policy.describe()})"
 
 
+def _fdm(cfg, policy, graph) -> str:
+    """fdm's τ is its acceptance's, not its policy's (greedy): named when not the default, so labels
+    that tables already use stay and two τ are two rows."""
+    tau = cfg.spec.resolved(cfg, "threshold")
+    tau = "" if tau == Confidence.tau else f",tau={tau:g}"
+    return f"{cfg.method}(k={cfg.k},{policy.describe()}{tau})"
+
+
 for _m in (
     Method("greedy", "one token per step, the most confident", Greedy, is_policy=True),
     Method("topk", "LLaDA's schedule: k_t tokens at step t", TopK, is_policy=True),
@@ -178,6 +192,7 @@ for _m in (
     Method("ete", "confidence over a window of k blocks", CrossBlock, ("k",),
            window_blocks=lambda cfg: cfg.k, describe=_windowed),
     Method("fdm", "k future greedy steps kept while above τ", Greedy, ("k", "threshold"),
-           graph=lambda cfg: DraftGraph.chain(cfg.k), selection=DraftConfidence, describe=_windowed),
+           graph=lambda cfg: DraftGraph.chain(cfg.k), selection=DraftConfidence, describe=_fdm,
+           defaults=(("threshold", Confidence.tau),)),
 ):
     register(_m)

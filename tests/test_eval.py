@@ -208,13 +208,16 @@ def test_specs_differing_only_in_general_options_are_separate_rows(tiny, tmp_pat
     assert labels[0] == "greedy" and len(set(labels)) == 4
     assert labels[2] == labels[1] + "[cache=dual]" and labels[3] == labels[1] + "[min_tokens=8]"
     assert all(r["tokens"] >= 9 for r in records if r["method"] == labels[3])      # no stop token before 8
+    ga, gb = tmp_path / "a.json", tmp_path / "b.json"
+    ga.write_text("[[], [0], [1]]")
+    gb.write_text("[[], [0], [2]]")
     for specs, words in ((["confidence", "confidence:cache=none"], "the method specs confidence and "
                                                                       "confidence:cache=none decode the same"),
                          # a default given explicitly, or a synonym: one configuration (they were two merged rows)
                          (["confidence", "confidence:threshold=0.9"], "decode the same configuration"),
                          (["localleap", "localleap:window=4"], "decode the same configuration"),
-                         # a difference the label does not show: refused, never merged into one row
-                         (["fdm:k=2", "fdm:k=2,threshold=0.5"], "decode differently but share the label fdm(")):
+                         # a difference the label does not show (two graphs of one shape): refused, never merged
+                         ([f"spiffy:graph={ga}", f"spiffy:graph={gb}"], "decode differently but share the label spiffy(")):
         assert eval_main(["--model", str(tiny), "--methods", *specs, "--limit", "2"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1, err

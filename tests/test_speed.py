@@ -245,8 +245,19 @@ def test_gpu_report_dry_run(tmp_path):
 @pytest.mark.parametrize("specs, words", [
     (["greedy", "greedy"], "decode the same configuration"),                     # was run once, silently
     (["confidence", "confidence:threshold=0.9"], "decode the same configuration"),
-    (["fdm:k=2", "fdm:k=2,threshold=0.5"], "decode differently but share the label"),   # was: the second never ran
+    (["spiffy:graph=GA", "spiffy:graph=GB"], "decode differently but share the label"),   # was: the second never ran
 ])
-def test_method_plan_refuses_a_spec_twice_or_two_under_one_label(specs, words):
+def test_method_plan_refuses_a_spec_twice_or_two_under_one_label(specs, words, tmp_path):
+    (tmp_path / "a.json").write_text("[[], [0], [1]]")          # two graphs of one shape: one label
+    (tmp_path / "b.json").write_text("[[], [0], [2]]")
+    specs = [s.replace("GA", str(tmp_path / "a.json")).replace("GB", str(tmp_path / "b.json")) for s in specs]
     with pytest.raises(InputError, match=words):
         speed.method_plan(specs)
+
+
+def test_fdm_threshold_is_in_its_label():
+    """fdm's τ belongs to its acceptance, not its greedy policy: two τ were refused as one label."""
+    labels = [m["label"] for m in speed.method_plan(["fdm:k=2", "fdm:k=2,threshold=0.5", "fdm:k=2,threshold=0.9"][:2])]
+    assert labels == ["greedy", "fdm(k=2,greedy)", "fdm(k=2,greedy,tau=0.5)"], labels
+    with pytest.raises(InputError, match="decode the same configuration"):      # 0.9 is the default
+        speed.method_plan(["fdm:k=2", "fdm:k=2,threshold=0.9"])
