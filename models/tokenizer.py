@@ -69,6 +69,12 @@ def _sentencepiece_json(path: Path, tc: _Fields | None) -> str:
         raise CheckpointError(f"cannot read {f} as a SentencePiece model: {_one_line(e)}") from None
 
 
+def _text(text) -> str:
+    if not isinstance(text, str):       # tokenizers' own TypeError says "TextInputSequence must be str"
+        raise TypeError(f"encode takes a str, got {type(text).__name__}")
+    return text
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _Tok
@@ -143,11 +149,11 @@ class Tokenizer:
         """Token ids of `text` exactly as given, with the tokenizer's own post-processing (e.g. BOS);
         `special=False` without it: for a rendered chat template, which writes its own BOS (as
         transformers' `apply_chat_template(tokenize=True)` encodes; else the prompt would hold two)."""
-        return self._tok.encode(text, add_special_tokens=special).ids
+        return self._tok.encode(_text(text), add_special_tokens=special).ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of `text` and each token's (start, end) character span in `text`."""
-        enc = self._tok.encode(text)
+        enc = self._tok.encode(_text(text))
         return enc.ids, [tuple(o) for o in enc.offsets]
 
     def decode(self, ids) -> str:

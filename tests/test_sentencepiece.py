@@ -256,3 +256,7 @@ def test_decode_takes_integer_ids_only(tmp_path):
     for bad in ([1.5], [True], "abc", None):
         with pytest.raises(TypeError, match="decode takes a list of integer token ids"):
             tok.decode(bad)
+    for bad in (None, b"abc", ids, 5):          # tokenizers said only "TextInputSequence must be str"
+        for encode in (tok.encode, tok.encode_with_offsets):
+            with pytest.raises(TypeError, match=f"encode takes a str, got {type(bad).__name__}"):
+                encode(bad)
