@@ -133,7 +133,8 @@ class KVStore:
         s = getattr(cache, "slots", None)
         if s is not None and s.epoch != s.store.epoch:
             raise RuntimeError("this KV cache is of an earlier block: its store now holds a later block's keys "
-                               "(a cache mode's store serves one running batch at a time)")
+                               "(a Decoder with a KV cache runs one batch at a time: a Decoder per concurrent batch, or "
+                               "one LiveBatch, whose sequences join and leave one running batch)")
 
     @property
     def appending_to(self) -> Slots | None:

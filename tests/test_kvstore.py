@@ -88,6 +88,18 @@ def test_a_cache_of_an_earlier_block_is_refused(model):
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_a_second_batch_on_one_decoder_is_refused_with_what_to_do(model, cache):
+    """One Decoder's store holds one batch: stepping the first batch after a second one started is a
+    RuntimeError that says to use a Decoder per batch or a LiveBatch, never keys of the other batch."""
+    dec = Decoder(model, DecodeConfig(method="confidence", gen_length=16, block_length=8, cache=cache))
+    first, second = dec.start(PROMPTS[:1]), dec.start(PROMPTS[1:2])
+    dec.step(first)
+    dec.step(second)
+    with pytest.raises(RuntimeError, match="a Decoder per concurrent batch, or one LiveBatch"):
+        dec.step(first)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_rows_joining_an_open_block_extend_its_view(model, cache):
     """Two rows with longer prompts and gen lengths join one running row inside a block: their
     cache rows follow the running row's in the store (grown once, the running row moved), the
