@@ -494,6 +494,10 @@ def _check_counts(args) -> None:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.few_shot is not None and args.few_shot < 0:
         raise InputError(f"--few-shot must be >= 0, got {args.few_shot}")
+    if args.few_shot_data and not (FEW_SHOT[args.task] if args.few_shot is None else args.few_shot):
+        default = f" (the default for {args.task})" if args.few_shot is None else ""     # else silently ignored
+        raise InputError(f"--few-shot-data {args.few_shot_data} is unused: --few-shot is 0{default}; "
+                         f"give --few-shot N")
     if args.fewshot_as_multiturn and not args.chat:
         raise InputError("--fewshot-as-multiturn needs --chat: the turns are the checkpoint's chat template's")
 

@@ -387,6 +387,9 @@ def test_synthetic_suites_take_the_few_shot_data(tiny, tmp_path, capsys, monkeyp
     with pytest.raises(_Loaded):
         eval_main(base + ["--few-shot", "2", "--few-shot-data", str(shots)])
     assert seen[-1][1] == mine[:2]
+    for given, words in (([], "(the default for math)"), (["--few-shot", "0"], "--few-shot is 0; give")):
+        assert eval_main(base + given + ["--few-shot-data", str(shots)]) == 2     # was: ignored, 0 examples
+        _one_error_line(capsys.readouterr().err, f"--few-shot-data {shots} is unused: --few-shot is 0", words)
     data = _jsonl(tmp_path / "data.jsonl", mt.load(limit=3))             # shots from the evaluated file
     assert eval_main(base + ["--few-shot", "1", "--data", str(data), "--few-shot-data", str(data)]) == 2
     _one_error_line(capsys.readouterr().err, "is the evaluated problem math-1001-00000")
