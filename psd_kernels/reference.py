@@ -12,6 +12,8 @@ the padded layout (once per model call).
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +65,9 @@ def out_pair(out, first: tuple, second: tuple, device: torch.device) -> tuple[to
 # --------------------------------------------------------------------------------------------
 # top-1 over the vocabulary
 # --------------------------------------------------------------------------------------------
-def check_top1_args(logits, exclude_id, score, temperature, noise) -> None:
-    """Input validation shared by both backends, so both reject the same calls."""
+def check_top1_args(logits, exclude_id, score, temperature, noise) -> tuple[int | None, float]:
+    """Input validation shared by both backends, so both reject the same calls: (exclude_id as an
+    int or None, temperature as a float) -- numpy and 0-d tensor numbers taken as Python's."""
     if score not in SCORES:
         raise ValueError(f"unknown confidence score {score!r}; expected one of {SCORES}")
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
@@ -73,18 +76,33 @@ def check_top1_args(logits, exclude_id, score, temperature, noise) -> None:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     V = logits.shape[-1]
     if exclude_id is not None:
+        exclude_id = _number(exclude_id, operator.index, "exclude_id must be an integer token id")
         if not 0 <= exclude_id < V:
             raise ValueError(f"exclude_id {exclude_id} outside vocabulary of size {V}")
         if V == 1:
             raise ValueError("exclude_id removes the only token of a vocabulary of size 1")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
-            not 0 <= temperature < math.inf:
+    temperature = _number(temperature, float, "temperature must be a real number")
+    if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0: argmax), got {temperature!r}")
     if temperature > 0:
-        if noise is None or noise.shape != logits.shape:
-            raise ValueError("temperature > 0 needs Gumbel noise with the logits' shape")
+        if not isinstance(noise, torch.Tensor) or noise.shape != logits.shape:
+            raise ValueError("temperature > 0 needs Gumbel noise: a tensor with the logits' shape")
         if not noise.is_floating_point():
             raise ValueError("noise must be a floating-point tensor of Gumbel draws")
+    return exclude_id, temperature
+
+
+def _number(value, convert, what: str):
+    """`value` (a Python, numpy or 0-d tensor number; never a bool, whose True would be 1) as
+    `convert` makes it, else ValueError `what`, naming the type given."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype == torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):    # numpy's bool is no Real
+        raise ValueError(f"{what}, got {type(value).__name__}")
+    try:
+        return convert(value)
+    except TypeError:                                 # a float where operator.index needs an integer
+        raise ValueError(f"{what}, got {type(value).__name__} {value!r}") from None
 
 
 def top1_out(out, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +143,7 @@ def top1(
     log-softmax) before. Fewer passes, same arithmetic: ids and confidences are bit-identical
     to the cast/clone/log-softmax/argmax formulation (on rows with a token to choose).
     """
-    check_top1_args(logits, exclude_id, score, temperature, noise)
+    exclude_id, temperature = check_top1_args(logits, exclude_id, score, temperature, noise)
     if out is not None:
         out = top1_out(out, logits)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -170,6 +170,22 @@ def test_strided_inputs_and_out(device):
 
 
 @needs_triton
+@pytest.mark.parametrize("T", [2, 7])
+def test_one_column_slices_of_ids_and_weights(T, device):
+    """k = 1 columns of wider [T, 3] routing tensors: their reshape is a strided view, which the
+    kernels read at unit stride (another token's weight, or its expert dropped)."""
+    gen = torch.Generator().manual_seed(6)
+    H, E, I = 16, 6, 8
+    x = torch.randn(T, H, generator=gen).to(device)
+    ws = [(torch.randn(E, *shape, generator=gen) / 4).to(device) for shape in ((I, H), (I, H), (H, I))]
+    ids, w = route(T, E, 1, "random", gen, device)
+    ids = torch.cat((ids, torch.full_like(ids, -1)), 1)[:, :1]        # beside it in memory: no expert
+    w = torch.cat((w + 0.5, torch.full_like(w, 9.0)), 1)[:, :1]       # beside it: another weight
+    got = run_triton(x, *ws, ids, w)
+    torch.testing.assert_close(got.cpu(), reference.moe(*cpu((x, *ws, ids, w))), **TOL[torch.float32])
+
+
+@needs_triton
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_empty_sizes(backend, device):
     gen = torch.Generator().manual_seed(6)

@@ -287,16 +287,40 @@ BACKENDS = ["reference"] + (["triton"] if HAS_TRITON else [])
         (lambda f: f(torch.randn(2, 5), temperature=1.0, noise=torch.randn(2, 4)), "needs Gumbel noise"),
         (lambda f: f(torch.randint(0, 3, (2, 5))), "floating-point"),
         (lambda f: f(torch.randn(2, 0)), "V >= 1"),
+        # a bool id or a float was taken as an int by one backend and refused or misread by the other
+        (lambda f: f(torch.randn(2, 5), exclude_id=True), "exclude_id must be an integer token id, got bool"),
+        (lambda f: f(torch.randn(2, 5), exclude_id=2.0), "exclude_id must be an integer token id, got float"),
+        (lambda f: f(torch.randn(2, 5), temperature="1"), "temperature must be a real number, got str"),
+        (lambda f: f(torch.randn(2, 5), temperature=1.0, noise=[[0.0] * 5] * 2), "a tensor with the logits' shape"),
     ],
 )
 def test_bad_inputs(backend, call, match, device):
     def f(x, **kw):
-        if "noise" in kw:
+        if isinstance(kw.get("noise"), torch.Tensor):
             kw["noise"] = kw["noise"].to(device)
         return psd_kernels.top1(x.to(device), backend=backend, **kw)
 
     with pytest.raises(ValueError, match=match):
         call(f)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_and_0d_tensor_numbers_are_numbers(backend, device):
+    """exclude_id and temperature as numpy or 0-d tensor numbers give what Python's give (a numpy
+    temperature was refused as not 'a finite number >= 0')."""
+    import numpy as np
+
+    x, noise = torch.randn(3, 40, device=device), torch.rand(3, 40, device=device)
+    want = psd_kernels.top1(x, 7, temperature=0.5, noise=noise, backend=backend)
+    for ex, temp in ((np.int64(7), np.float32(0.5)), (torch.tensor(7), torch.tensor(0.5))):
+        got = psd_kernels.top1(x, ex, temperature=temp, noise=noise, backend=backend)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_triton
+def test_triton_refuses_meta_tensors_even_interpreted():
+    with pytest.raises(ValueError, match="meta tensors"):
+        psd_kernels.top1(torch.empty(2, 10, device="meta"), backend="triton")
 
 
 @needs_triton

@@ -14,6 +14,8 @@ def check_device(*tensors: torch.Tensor | None) -> None:
     devices = {t.device for t in tensors if t is not None}
     if len(devices) > 1:
         raise ValueError(f"inputs are on several devices: {sorted(map(str, devices))}")
+    if any(d.type == "meta" for d in devices):
+        raise ValueError("inputs are meta tensors: they hold no data to compute on")
     if not INTERPRET and any(d.type != "cuda" for d in devices):
         raise ValueError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1); use backend='reference' on CPU")
 

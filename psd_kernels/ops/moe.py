@@ -186,8 +186,8 @@ def moe(
     N = T * k
     if N == 0 or H == 0 or I == 0:       # I = 0: every expert outputs 0
         return o.zero_()
-    ids = topk_ids.reshape(N)                 # slot s = t·k + j
-    tw = topk_weights.reshape(N)
+    ids = topk_ids.reshape(N).contiguous()    # slot s = t·k + j; the kernels read them at unit stride
+    tw = topk_weights.reshape(N).contiguous()
     plan = plan_rows(ids, E, padded=False)    # device ops: a stable sort and a searchsorted
     dev = x.device
     # h in x's dtype (the next GEMM's operand); y per slot in fp32, summed over k in slot order

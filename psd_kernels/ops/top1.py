@@ -138,7 +138,7 @@ def top1(
     temperature: float = 0.0,
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_top1_args(logits, exclude_id, score, temperature, noise)
+    exclude_id, temperature = check_top1_args(logits, exclude_id, score, temperature, noise)
     if logits.dtype not in _DTYPES:
         raise ValueError(f"triton top1 takes float16/bfloat16/float32 logits, got {logits.dtype}; use backend='reference'")
     sampling = temperature > 0
