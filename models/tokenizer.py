@@ -4,7 +4,7 @@ models/sentencepiece.py), with a decode that never crashes.
 Real LLaDA has more embedding rows (126464) than tokenizer entries, so a model may emit ids the
 tokenizer cannot map; `decode` drops them instead of raising.
 
-The chat template (`chat_template` of tokenizer_config.json, or `chat_template.jinja`) is checked
+The chat template (`chat_template.jinja`, else `chat_template` of tokenizer_config.json) is checked
 and compiled when the tokenizer is built, so a broken one fails at load with one line naming the
 file; it runs in Jinja's immutable sandbox (it is code shipped with the checkpoint) with the
 globals Hugging Face provides (`raise_exception`, `strftime_now`, a JSON `tojson`).
@@ -75,6 +75,27 @@ def _text(text) -> str:
     return text
 
 
+def _special_tokens(path: Path, tc: _Fields | None) -> dict[str, str]:
+    """The bos/eos token strings a chat template sees, found as transformers finds them: those of
+    tokenizer_config.json, with a legacy special_tokens_map.json's over them where the config has no
+    `added_tokens_decoder` (older exports keep them only there)."""
+    sources = [tc] if tc is not None else []
+    legacy = path / "special_tokens_map.json"
+    if os.path.lexists(legacy) and (tc is None or "added_tokens_decoder" not in tc.raw):
+        sources.append(_Fields(read_json(legacy), str(legacy)))
+    found = {}
+    for src in sources:
+        for k in ("bos_token", "eos_token"):
+            v = src.raw.get(k)
+            if isinstance(v, dict) and isinstance(v.get("content"), str):   # a saved AddedToken
+                v = v["content"]
+            if v is not None and not isinstance(v, str):
+                src.fail(k, "a string or an object with a string \"content\"", v)
+            if v is not None:
+                found[k] = v
+    return found
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _Tok
@@ -96,23 +117,15 @@ class Tokenizer:
         self._byte_fallback = '"ByteFallback"' in text      # its decoder joins runs of <0xNN> tokens
         self._byte_level = _byte_level_table() if '"ByteLevel"' in text else None
         self._anchor = self._left_context()          # (id, its text), or None
-        self.chat_template, self._specials, self._template = None, {}, None
-        self._template_source = ""
-        if tc is not None:
-            for k in ("bos_token", "eos_token"):
-                v = tc.raw.get(k)
-                if isinstance(v, dict) and isinstance(v.get("content"), str):   # a saved AddedToken
-                    v = v["content"]
-                if v is not None and not isinstance(v, str):
-                    tc.fail(k, "a string or an object with a string \"content\"", v)
-                if v is not None:
-                    self._specials[k] = v
-            self.chat_template = _pick_template(tc)
-            self._template_source = f"the chat_template of {cfg}"
-        jinja = path / "chat_template.jinja"      # newer exporters write the template to its own file
-        if self.chat_template is None and os.path.lexists(jinja):
+        self.chat_template, self._template, self._template_source = None, None, ""
+        self._specials = _special_tokens(path, tc)
+        jinja = path / "chat_template.jinja"      # newer exporters write the template to its own file,
+        if os.path.lexists(jinja):                # which comes first, as in transformers
             self.chat_template = read_text(jinja)
             self._template_source = f"the chat template {jinja}"
+        elif tc is not None:
+            self.chat_template = _pick_template(tc)
+            self._template_source = f"the chat_template of {cfg}"
         if self.chat_template:
             self._template = self._compile()
 

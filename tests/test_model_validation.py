@@ -58,7 +58,7 @@ def _set(**kv):
 def _drop(*keys):
     def fn(o):
         for k in keys:
-            del o[k]
+            o.pop(k, None)
     return fn
 
 
@@ -263,6 +263,31 @@ def test_chat_template_jinja_file(pristine, tmp_path):
     assert Tokenizer(d).apply_chat_template("t5") == "<|user|> t5 <|assistant|>"
     (d / "chat_template.jinja").write_text("{% if messages %}unclosed")
     with pytest.raises(CheckpointError, match=re.escape(str(d / "chat_template.jinja")) + " does not compile"):
+        Tokenizer(d)
+
+
+def test_chat_template_jinja_file_comes_before_the_configs_entry(pristine, tmp_path):
+    """Both present: the file, as transformers takes it (the config's entry was used: another prompt)."""
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "tokenizer_config.json", _set(chat_template="OLD {{ messages[0]['content'] }}"))
+    (d / "chat_template.jinja").write_text("NEW {{ messages[0]['content'] }}")
+    assert Tokenizer(d).apply_chat_template("t5") == "NEW t5"
+
+
+def test_special_tokens_map_gives_the_templates_bos_as_transformers_does(pristine, tmp_path):
+    """Older exports keep bos/eos only in special_tokens_map.json: a `{{ bos_token }}` template lost its
+    BOS. The map is read where tokenizer_config.json has no added_tokens_decoder, and overrides it."""
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "tokenizer_config.json", _set(chat_template="{{ bos_token }}{{ messages[0]['content'] }}"))
+    _edit_json(d, "tokenizer_config.json", _drop("bos_token"))
+    _edit_json(d, "tokenizer_config.json", _drop("added_tokens_decoder"))
+    (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "t1", "lstrip": False}}))
+    assert Tokenizer(d).apply_chat_template("t5") == "t1t5"
+    _edit_json(d, "tokenizer_config.json", _set(added_tokens_decoder={}))      # a modern config: the map is legacy
+    assert Tokenizer(d).apply_chat_template("t5") == "t5"
+    (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": 3}))
+    _edit_json(d, "tokenizer_config.json", _drop("added_tokens_decoder"))
+    with pytest.raises(CheckpointError, match="special_tokens_map.json: field 'bos_token' must be a string"):
         Tokenizer(d)
 
 
