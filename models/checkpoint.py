@@ -12,6 +12,7 @@ as each tensor is loaded with one reduction, 0.03-0.1 s per GiB on a 2-core CPU;
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -358,9 +359,14 @@ def _safe_open(f: Path):
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
-    """{checkpoint tensor name: file holding it}, from the index or the single file."""
+    """{checkpoint tensor name: file holding it}, from the single file, else the index (transformers'
+    order: a stale index beside a current single file is not read)."""
     index = path / _INDEX
     single = path / "model.safetensors"
+    _regular(single, "the weights file")
+    if single.is_file():
+        with _safe_open(single) as f:
+            return {name: single for name in f.keys()}
     _regular(index, "the index")
     if index.is_file():
         idx = _Fields(read_json(index), str(index))
@@ -376,7 +382,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
             if not isinstance(fname, str) or not fname:
                 idx.fail(f"weight_map[{name!r}]", "a shard file name", fname)
             if fname not in checked:
-                rel = Path(fname)
+                rel = _inside(Path(fname), path)
                 if rel.is_absolute() or ".." in rel.parts:
                     raise CheckpointError(f"{index}: weight_map names the shard {fname!r}, which is not inside {path}")
                 f = path / rel
@@ -386,11 +392,18 @@ def _tensor_files(path: Path) -> dict[str, Path]:
                 checked[fname] = f
             files[name] = checked[fname]
         return files
-    _regular(single, "the weights file")
-    if single.is_file():
-        with _safe_open(single) as f:
-            return {name: single for name in f.keys()}
-    raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+    pickles = sorted(p.name for p in path.glob("pytorch_model*.bin*"))
+    raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json" + (
+        f" ({', '.join(pickles[:2])}: PyTorch pickles are not loaded, since unpickling runs code; convert them "
+        f"to safetensors with transformers' save_pretrained(..., safe_serialization=True))" if pickles else ""))
+
+
+def _inside(p: Path, root: Path) -> Path:
+    """An absolute shard path inside `root` as a relative one (else `p` as given)."""
+    if p.is_absolute():
+        with contextlib.suppress(ValueError):           # (not resolved: a shard may be a link to a blob)
+            return Path(os.path.normpath(p)).relative_to(os.path.abspath(root))
+    return p
 
 
 def _nonfinite(t: torch.Tensor) -> int:

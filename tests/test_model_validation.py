@@ -392,6 +392,28 @@ SHARD_CASES = {
 }
 
 
+def test_single_file_comes_before_an_index_and_an_absolute_shard_path_inside_is_read(pristine, tmp_path):
+    """transformers' order: a stale index beside model.safetensors is not read (its shards gave other
+    weights, or a refusal where they were gone). An absolute shard path inside the directory is
+    that shard (it was refused as 'not inside')."""
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+    sharded, both = _copy(pristine, tmp_path / "a", "sharded"), _copy(pristine, tmp_path / "b", "dream")
+    shutil.copy(sharded / INDEX, both / INDEX)                   # names shards that are not there
+    assert same(load_model(both), load_model(pristine["dream"]))
+    _edit_json(sharded, INDEX, lambda o: o["weight_map"].update(
+        {k: str(sharded / v) for k, v in o["weight_map"].items()}))
+    assert same(load_model(sharded), load_model(pristine["sharded"]))
+
+
+def test_pytorch_pickles_are_named_with_what_to_do(pristine, tmp_path):
+    d = _copy(pristine, tmp_path)
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: PyTorch pickles are not loaded.*safe_serialization"):
+        load_model(d)
+
+
 @pytest.mark.parametrize("case", list(SHARD_CASES))
 def test_broken_sharded_checkpoint_names_the_shard(pristine, tmp_path, case):
     edit, words = SHARD_CASES[case]
