@@ -247,6 +247,12 @@ class ModelConfig:
             raise CheckpointError(f"{source}: {e}") from None
         r.what = f" (of a {family} model)"
         top = r
+        quant = raw.get("quantization_config")
+        if quant is not None:           # its 1-byte or packed tensors need scales this loader does not apply
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            raise CheckpointError(f"{source}: a quantized checkpoint (quantization_config"
+                                  f"{f', quant_method {method!r}' if method else ''}) is not supported: "
+                                  f"use its bf16 or fp32 weights")
         if family == "diffusion_gemma":   # the text model's fields are in text_config; the rest is the vision tower
             r = _Fields(raw.get("text_config"), f"{source} text_config")
             r.what = top.what
