@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, _Fields, check_regular, read_json
+from .config import LFS_POINTER, ModelConfig, _Fields, check_regular, lfs_message, read_json
 from .errors import CheckpointError
 from .parallel import TensorParallel, check_divisible, parameter_count_per_rank
 from .transformer import Transformer
@@ -274,6 +274,8 @@ def _header_bytes(f: Path, size: int) -> bytes:
     fd = os.open(f, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         head = os.pread(fd, 8, 0)
+        if LFS_POINTER.startswith(head) and os.pread(fd, len(LFS_POINTER), 0) == LFS_POINTER:
+            raise CheckpointError(lfs_message(str(f)))
         if len(head) < 8:
             raise CheckpointError(f"{f} is not a valid safetensors file (it is {size} bytes, shorter than "
                                   f"the 8-byte header length)")

@@ -1003,6 +1003,13 @@ def check_regular(path, what: str = "", error=CheckpointError, limit: int = MAX_
     return st
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"     # what a clone without git-lfs holds
+
+
+def lfs_message(named: str) -> str:
+    return f"{named} is a Git LFS pointer, not the file itself (a clone without git-lfs): run `git lfs pull` there"
+
+
 def read_bytes(path, what: str = "", error=CheckpointError, limit: int = MAX_FILE_BYTES) -> bytes:
     """The bytes of a file a user named, checked first (`check_regular`) and then opened without
     blocking (a file swapped for a FIFO after the check fails instead of hanging); never more than
@@ -1025,7 +1032,10 @@ def read_bytes(path, what: str = "", error=CheckpointError, limit: int = MAX_FIL
             size += len(chunk)
         if size > limit:                           # it grew after the check
             raise error(f"{_named(what, path)} is too large: over {limit} bytes")
-        return b"".join(chunks)
+        data = b"".join(chunks)
+        if data.startswith(LFS_POINTER):
+            raise error(lfs_message(_named(what, path)))
+        return data
     except OSError as e:
         raise error(f"cannot read {_named(what, path)}: {e.strerror or e}") from None
     finally:

@@ -410,6 +410,17 @@ def test_single_file_comes_before_an_index_and_an_absolute_shard_path_inside_is_
     assert same(load_model(sharded), load_model(pristine["sharded"]))
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.json"])
+def test_git_lfs_pointers_are_named_as_such(pristine, tmp_path, name):
+    """A clone without git-lfs holds 130-byte pointer files: the shard's 'header claims 2e18 bytes' and
+    the tokenizer's 'expected value at line 1' did not say so."""
+    d = _copy(pristine, tmp_path)
+    (d / name).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 5000000000\n")
+    with pytest.raises(CheckpointError, match=re.escape(name) + " is a Git LFS pointer.*git lfs pull"):
+        load_model(d)
+        Tokenizer(d)
+
+
 def test_pytorch_pickles_are_named_with_what_to_do(pristine, tmp_path):
     d = _copy(pristine, tmp_path)
     (d / "model.safetensors").rename(d / "pytorch_model.bin")
