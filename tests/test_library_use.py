@@ -106,7 +106,7 @@ def test_a_cost_model_needs_one_time_per_canvas_count():
 @pytest.mark.parametrize("temperature", [-1.0, float("nan"), float("inf"), "1"], ids=str)
 def test_top1_refuses_a_temperature_it_cannot_sample_at(temperature):
     logits = torch.randn(2, 16)
-    with pytest.raises(ValueError, match="temperature must be a finite number"):
+    with pytest.raises(ValueError, match="temperature must be a (finite|real) number"):
         psd_kernels.top1(logits, temperature=temperature, noise=torch.rand(2, 16))   # -1 was greedy, silently
 
 
