@@ -15,6 +15,7 @@ import json
 import operator
 import os
 import re
+import sys
 from pathlib import Path
 
 from .config import _Fields, read_bytes, read_json, read_text
@@ -119,6 +120,7 @@ class Tokenizer:
         self._anchor = self._left_context()          # (id, its text), or None
         self.chat_template, self._template, self._template_source = None, None, ""
         self._specials = _special_tokens(path, tc)
+        self._check_mask(tc, path / "config.json")
         jinja = path / "chat_template.jinja"      # newer exporters write the template to its own file,
         if os.path.lexists(jinja):                # which comes first, as in transformers
             self.chat_template = read_text(jinja)
@@ -128,6 +130,30 @@ class Tokenizer:
             self._template_source = f"the chat_template of {cfg}"
         if self.chat_template:
             self._template = self._compile()
+
+    def _check_mask(self, tc: _Fields | None, config: Path) -> None:
+        """config.json's mask_token_id against the tokenizer's own mask token: a config naming an
+        ordinary word (5 = "t5", or LLaDA's 126336 copied into a Dream config) decoded garbage.
+        tokenizer_config.json's `mask_token` is the tokenizer's word (another id: an error); without
+        it, a mask id that is no added token while a special token named like a mask is: a warning."""
+        token = tc.raw.get("mask_token") if tc is not None else None
+        token = token.get("content") if isinstance(token, dict) else token
+        want = self._tok.token_to_id(token) if isinstance(token, str) else None
+        raw = read_json(config) if os.path.lexists(config) else {}
+        got = raw.get("mask_token_id") if isinstance(raw, dict) else None
+        if not isinstance(got, int) or isinstance(got, bool):
+            return                                      # (the config's own checks name a bad value)
+        name = self._tok.id_to_token(got)
+        shown = f"mask_token_id {got} ({'token ' + repr(name) if name is not None else 'no token'} of the tokenizer)"
+        if want is not None and got != want:
+            raise CheckpointError(f"{config}: {shown} is not the tokenizer's mask token {token!r}, id {want} "
+                                  f"(tokenizer_config.json's mask_token): fix one of them")
+        added = self._tok.get_added_tokens_decoder()
+        masks = {i: t.content for i, t in added.items() if t.special and "mask" in t.content.lower()}
+        if want is None and masks and got not in added:
+            listed = ", ".join(f"{c!r} (id {i})" for i, c in sorted(masks.items())[:3])
+            print(f"warning: {config}: {shown} is an ordinary token, while the tokenizer's special {listed} "
+                  f"looks like the mask: decoding masks with a word gives garbage", file=sys.stderr)
 
     def _compile(self):
         try:

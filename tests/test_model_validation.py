@@ -421,6 +421,25 @@ def test_git_lfs_pointers_are_named_as_such(pristine, tmp_path, name):
         Tokenizer(d)
 
 
+def test_a_mask_id_that_is_a_word_is_refused_or_warned(pristine, tmp_path, capsys):
+    """config.json's mask_token_id naming an ordinary token (5 = "t5") decoded garbage at exit 0.
+    Against tokenizer_config.json's mask_token: an error naming both; without one, a warning where a
+    special token looks like the mask."""
+    d = _copy(pristine, tmp_path, "dream")
+    _edit_json(d, "config.json", _set(mask_token_id=5))
+    Tokenizer(d)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: ") and "mask_token_id 5 (token 't5' of the tokenizer) is an ordinary token" in err
+    mask = next(t for t in json.loads((d / "tokenizer.json").read_text())["added_tokens"] if "mask" in t["content"])
+    _edit_json(d, "tokenizer_config.json", _set(mask_token=mask["content"]))
+    with pytest.raises(CheckpointError, match=f"mask_token_id 5 .* is not the tokenizer's mask token "
+                                              f"'{re.escape(mask['content'])}', id {mask['id']}"):
+        Tokenizer(d)
+    _edit_json(d, "config.json", _set(mask_token_id=mask["id"]))
+    Tokenizer(d)
+    assert capsys.readouterr().err == ""
+
+
 def test_pytorch_pickles_are_named_with_what_to_do(pristine, tmp_path):
     d = _copy(pristine, tmp_path)
     (d / "model.safetensors").rename(d / "pytorch_model.bin")
