@@ -20,7 +20,7 @@ from .config import DecodeConfig, prompt_ids
 from .errors import MAX_FILE_BYTES, InputError, read_user_text
 from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag,
                        add_threads_flag, checked_gemm, decoding_options, guarded, plugins_loaded, resolve_device,
-                       set_threads)
+                       set_threads, suggested_config)
 from .methods import METHODS
 from .uniform import for_model
 
@@ -100,8 +100,8 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
     mc = ModelConfig.from_dir(model_dir)          # cheap checks before the weights are read
-    given = decoding_options(args, suggested=mc.generation_defaults)     # the checkpoint's, if no flag
-    dc = for_model(mc, DecodeConfig(method=args.method, **given)).validate()
+    dc = suggested_config(lambda given: for_model(mc, DecodeConfig(method=args.method, **given)).validate(),
+                          decoding_options(args), mc.generation_defaults, model_dir)   # the checkpoint's, if no flag
     tok = args.tokenizer = Tokenizer(model_dir)     # and the plain output's --top-logprobs lines
     from . import distributed
 

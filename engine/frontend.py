@@ -297,6 +297,27 @@ def with_suggestions(options: dict, suggested: dict | None) -> dict:
     return out
 
 
+def suggested_config(build, given: dict, suggested: dict | None, model_dir):
+    """`build(options)` (a validated DecodeConfig) of the options `given` with the checkpoint's
+    `suggested` sizes where no flag gives one (`with_suggestions`). Its InputError, where the
+    suggestions are what fails (without them it builds, or fails otherwise), names them and
+    generation_config.json: the user gave no flag to fix."""
+    try:
+        return build(with_suggestions(given, suggested))
+    except InputError as e:
+        taken = {k: v for k, v in (suggested or {}).items() if given.get(k) is None}
+        try:
+            build(with_suggestions(given, None))
+        except InputError as plain:
+            if str(plain) == str(e):
+                raise e from None
+        if not taken:
+            raise
+        names = " and ".join(f"{OPTIONS[k].flag} {v}" for k, v in taken.items())
+        raise InputError(f"{e} ({names} from {Path(model_dir) / 'generation_config.json'}, the checkpoint's "
+                         f"suggestion: give the flag to override)") from None
+
+
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)    # a write the disk cannot take
 
 

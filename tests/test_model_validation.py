@@ -211,6 +211,24 @@ def test_bad_generation_config(pristine, tmp_path, case):
         assert w in msg, (w, msg)
 
 
+def test_sizes_generation_config_suggests_are_named_when_they_fail(pristine, tmp_path, capsys):
+    """gen_length 30 and block_length 8 from generation_config.json: the error said only 'not a
+    multiple', though no flag was given; it names the file. A flag that fails is not blamed on it."""
+    from engine.cli import main
+
+    d = _copy(pristine, tmp_path)
+    _edit_json(d, "generation_config.json", _set(gen_length=30, block_length=8))
+    assert main(["t5", "--model", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a multiple" in err and \
+        f"--gen-length 30 and --block-length 8 from {d / 'generation_config.json'}" in err, err
+    assert main(["t5", "--model", str(d), "--gen-length", "12"]) == 2        # 12 is no multiple of 8 either
+    err = capsys.readouterr().err
+    assert f"--block-length 8 from {d / 'generation_config.json'}" in err and "--gen-length 30" not in err, err
+    assert main(["t5", "--model", str(d), "--gen-length", "16", "--threshold", "2"]) == 2
+    assert "generation_config.json" not in capsys.readouterr().err       # the flag's own error, not the file's
+
+
 # ---------------------------------------------------------------------- tokenizer / chat template
 TEMPLATE_AT_LOAD = {
     "chat_template not a string": (5, ["chat_template", "string"]),

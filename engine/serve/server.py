@@ -10,7 +10,7 @@ from pathlib import Path
 
 from models import CheckpointError, ModelConfig, Tokenizer
 
-from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device, with_suggestions
+from ..frontend import DEFAULT_MODEL_DIR, decoding_options, resolve_device, suggested_config, with_suggestions
 from ..config import DecodeConfig
 from ..errors import InputError
 from ..uniform import check_batchable, for_model
@@ -43,9 +43,11 @@ class Server:
         problem = size_problem(opts, self.mc.max_length)
         if problem:
             raise InputError(f"{OPTIONS[problem[0]].flag}: {problem[1]}")
-        opts = with_suggestions(opts, self.mc.generation_defaults)     # the checkpoint's, where no flag gives one
-        self.defaults = {"method": args.method or ("eb" if self.uniform else "greedy"), **opts}
-        self._check_flags(for_model(self.mc, DecodeConfig(**self.defaults)).validate())   # fails before it starts
+        method = args.method or ("eb" if self.uniform else "greedy")
+        dc = suggested_config(lambda given: for_model(self.mc, DecodeConfig(method=method, **given)).validate(),
+                              opts, self.mc.generation_defaults, self.model_dir)   # the checkpoint's, where no flag
+        self.defaults = {"method": method, **with_suggestions(opts, self.mc.generation_defaults)}
+        self._check_flags(dc)                                  # fails before it starts
         self.status, self.error = "loading", None
         self.max_choices = min(getattr(args, "max_choices", MAX_N), args.max_queue)
         self.scheduler = make_scheduler(batching, args.max_queue, args.max_batch,
