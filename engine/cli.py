@@ -100,6 +100,7 @@ def run(args: argparse.Namespace, on_text=None) -> dict:
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
     mc = ModelConfig.from_dir(model_dir)          # cheap checks before the weights are read
+    args.uniform = mc.mask_token_id is None        # (for _explain's advice)
     dc = suggested_config(lambda given: for_model(mc, DecodeConfig(method=args.method, **given)).validate(),
                           decoding_options(args), mc.generation_defaults, model_dir)   # the checkpoint's, if no flag
     tok = args.tokenizer = Tokenizer(model_dir)     # and the plain output's --top-logprobs lines
@@ -163,11 +164,17 @@ def _explain(args, out: dict) -> None:
         print("note: the model generated no text; the shipped demo model only knows its math/code suite "
               "formats ('Question: ...\\nAnswer: '), see README", file=sys.stderr)
     elif not out["text"].strip():
-        print("note: the model generated no text (its first token was a stop token, or only special tokens)",
-              file=sys.stderr)
+        tok, ids = args.tokenizer, out["token_ids"]
+        unknown = sum(tok.id_to_token(i) is None for i in ids)
+        why = (f"{unknown} of its {len(ids)} generated ids are outside the tokenizer's {tok.size} entries: "
+               f"the model's vocabulary is larger than its tokenizer's" if unknown else
+               "its first token was a stop token, or only special tokens")
+        print(f"note: the model generated no text ({why})", file=sys.stderr)
     print("tokens = generated tokens, calls = model calls, tpf = tokens per call (higher: fewer calls), "
-          "rows/call = canvases per call (drafts verified together); try --method psd --policy confidence "
-          "--depth 3, or --method confidence --threshold 0.9", file=sys.stderr)
+          "rows/call = canvases per call (drafts verified together); " +
+          ("a uniform-noise model decodes with eb alone: --entropy-bound sets its γ, --max-denoising-steps its "
+           "steps" if out["method"] == "eb" and getattr(args, "uniform", False) else
+           "try --method psd --policy confidence --depth 3, or --method confidence --threshold 0.9"), file=sys.stderr)
 
 
 def _top_lines(tok, out: dict) -> list[str]:

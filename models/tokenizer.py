@@ -195,6 +195,10 @@ class Tokenizer:
         enc = self._tok.encode(_text(text))
         return enc.ids, [tuple(o) for o in enc.offsets]
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The tokenizer's entry for `token_id`, or None where it has none (a model row past it)."""
+        return self._tok.id_to_token(token_id) if 0 <= token_id else None
+
     def decode(self, ids) -> str:
         """The text of token ids (ints, numpy or torch integers); ids outside the vocabulary are left out.
         A float or bool is a TypeError (int() would have made 1.5 token 1: silently another text)."""

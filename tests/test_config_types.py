@@ -155,3 +155,24 @@ def test_messages_name_the_real_problem(tmp_path, capsys):
     rc, out, err = run_main(main, ["t5", "--model", str(ckpt), "--threads", "1", "--gen-length", "8",
                                    "--block-length", "8"], capsys)
     assert rc == 0 and "the model generated no text" in err and "shipped demo model" not in err, err
+
+
+
+def test_terminal_advice_fits_the_model_and_the_output(tmp_path, capsys):
+    """No text because every id is past a smaller tokenizer: said so (it blamed a stop token). A
+    uniform-noise model is not advised psd or confidence, which it refuses."""
+    import argparse
+
+    from engine.cli import _explain
+    from models import Tokenizer
+    from models.random_checkpoint import make_checkpoint
+
+    ckpt, _ = make_checkpoint(tmp_path / "m", "llada", tokenizer_size=8)
+    args = argparse.Namespace(tokenizer=Tokenizer(ckpt), model=str(ckpt), uniform=False)
+    _explain(args, {"text": "", "token_ids": [40, 41, 5], "method": "greedy"})
+    err = capsys.readouterr().err
+    assert f"2 of its 3 generated ids are outside the tokenizer's {args.tokenizer.size} entries" in err and "--method psd" in err, err
+    args.uniform = True
+    _explain(args, {"text": "x", "token_ids": [5], "method": "eb"})
+    err = capsys.readouterr().err
+    assert "decodes with eb alone" in err and "--method psd" not in err and "no text" not in err, err
