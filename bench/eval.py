@@ -72,9 +72,10 @@ def check_distinct(entries, where: str = "") -> None:
     """`entries`: (spec text, config, table label) of one run's method specs. Two that decode the same
     configuration are an error (give each once), and so are two that decode differently under one
     label (their rows would be merged: a label is what tables and records are keyed by)."""
-    for i, (spec, cfg, label) in enumerate(entries):
-        for other, ocfg, olabel in entries[:i]:
-            if cfg == ocfg or _resolved(cfg) == _resolved(ocfg):
+    entries = [(spec, cfg, label, _resolved(cfg)) for spec, cfg, label in entries]
+    for i, (spec, cfg, label, resolved) in enumerate(entries):
+        for other, ocfg, olabel, oresolved in entries[:i]:
+            if cfg == ocfg or resolved == oresolved:
                 raise InputError(f"the method specs {other} and {spec} decode the same configuration{where}; "
                                  f"give each once")
             if label == olabel:
