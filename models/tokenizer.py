@@ -141,8 +141,9 @@ class Tokenizer:
         want = self._tok.token_to_id(token) if isinstance(token, str) else None
         raw = read_json(config) if os.path.lexists(config) else {}
         got = raw.get("mask_token_id") if isinstance(raw, dict) else None
-        if not isinstance(got, int) or isinstance(got, bool):
-            return                                      # (the config's own checks name a bad value)
+        if not isinstance(got, int) or isinstance(got, bool) or \
+                str(raw.get("model_type")).lower().replace("-", "_") == "diffusion_gemma":
+            return          # (the config's own checks name a bad value; DiffusionGemma ignores a mask id)
         name = self._tok.id_to_token(got)
         shown = f"mask_token_id {got} ({'token ' + repr(name) if name is not None else 'no token'} of the tokenizer)"
         if want is not None and got != want:
