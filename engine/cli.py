@@ -18,14 +18,14 @@ from models import CheckpointError, ModelConfig, Tokenizer
 
 from .config import DecodeConfig, prompt_ids
 from .errors import MAX_FILE_BYTES, InputError, read_user_text
-from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag,
-                       add_threads_flag, checked_gemm, decoding_options, guarded, plugins_loaded, resolve_device,
-                       set_threads, suggested_config)
+from .frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, DefaultsFormatter, Parser, add_decoding_flags, add_gemm_flag,
+                       add_plugin_flag, add_threads_flag, checked_gemm, decoding_options, guarded, plugins_loaded,
+                       resolve_device, set_threads, suggested_config)
 from .methods import METHODS
 from .uniform import for_model
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m engine.generate", description=__doc__.split("\n")[0], formatter_class=DefaultsFormatter)
     p.add_argument("prompt", nargs="?", help="prompt text, encoded exactly as given; '-' reads stdin; "
                                              "default: the model's sample_prompt.txt")
     p.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
     add_decoding_flags(p)
     add_plugin_flag(p)
-    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="model weights' dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     add_gemm_flag(p)
     add_threads_flag(p)

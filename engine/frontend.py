@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from models import DTYPES, GEMMS, CheckpointError, check_gemm
+from models.config import SUGGESTED
 
 from .errors import DecodingError, InputError
 from .graph import DraftGraph
@@ -252,12 +253,25 @@ def _option_help(o) -> str:
     """An option's help: what it is, which methods take it, its default (a policy's own where
     the policy holds it): all read from the option and method tables."""
     if o.general:
-        return o.help + ("" if o.default is None else f" (default: {o.default})")
+        default = "" if o.default is None else f" (default: {o.default})"
+        if o.name in SUGGESTED:                  # what generation_config.json suggests comes first
+            default = f" (default: the checkpoint's generation_config.json {o.name}, else {o.default})"
+        return o.help + default
     takers = methods_taking(o.name)
     per_policy = [f"{m} {METHODS[m].policy.defaults()[o.name]}" for m in policy_methods()
                   if o.name in METHODS[m].policy.defaults()]
     default = f"; default: {', '.join(per_policy)}" if per_policy else "" if o.default is None else f"; default: {o.default}"
     return f"{o.help} ({join(takers)}{default})"
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it (or there is none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower() or not action.option_strings:
+            return text
+        return text + (" " if text else "") + "(default: %(default)s)"
 
 
 def add_decoding_flags(p: argparse.ArgumentParser, names=None) -> None:

@@ -546,6 +546,10 @@ def _special_ids(raw: dict, r: "_Fields", top: "_Fields", g, family: str, vocab:
     return mask, eos_list, pad_list, stops
 
 
+# the decoding sizes a checkpoint's generation_config.json may suggest (used where no flag gives one)
+SUGGESTED = ("gen_length", "block_length")
+
+
 def _generation_defaults(g, vocab: int, vocab_key: str, source: str) -> tuple[dict, list[int]]:
     """(the sizes generation_config.json suggests, its EOS ids), each checked; ({}, []) without one."""
     if g is None:
@@ -556,7 +560,7 @@ def _generation_defaults(g, vocab: int, vocab_key: str, source: str) -> tuple[di
         if t >= vocab:
             raise CheckpointError(f"{gen_source}: eos_token_id {t} is outside the vocabulary of size {vocab} "
                                   f"({vocab_key} of {source})")
-    suggested = {key: g.pos_int(key, None) for key in ("gen_length", "block_length")}
+    suggested = {key: g.pos_int(key, None) for key in SUGGESTED}
     gen_defaults = {k: v for k, v in suggested.items() if v is not None}
     return gen_defaults, gen_eos
 

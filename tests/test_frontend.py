@@ -32,6 +32,17 @@ def test_every_command_takes_threads(module, capsys):
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: argument --threads"), err
 
 
+@pytest.mark.parametrize("module", ["engine.cli", "engine.serve.cli"])
+def test_help_states_the_defaults_that_apply(module, capsys):
+    """README: --help lists every flag with its default. --dtype and --device had none in
+    engine.generate, and --gen-length said 128 where the checkpoint's generation_config.json (64 for
+    the shipped model) is what decodes."""
+    rc, out, _ = run_main(importlib.import_module(module).main, ["--help"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0 and "(default: float32)" in text and "(default: auto)" in text, text
+    assert "(default: the checkpoint's generation_config.json gen_length, else 128)" in text, text
+
+
 def test_set_threads_sets_torch_and_none_leaves_it(monkeypatch):
     import torch
 

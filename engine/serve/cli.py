@@ -11,8 +11,8 @@ import socket
 import sys
 import threading
 
-from ..frontend import (DTYPE_CHOICES, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag, add_threads_flag,
-                        checked_gemm, guarded, plugins_loaded, resolve_device)
+from ..frontend import (DTYPE_CHOICES, DefaultsFormatter, Parser, add_decoding_flags, add_gemm_flag, add_plugin_flag,
+                        add_threads_flag, checked_gemm, guarded, plugins_loaded, resolve_device)
 from ..errors import InputError
 from ..methods import METHODS
 from .routes import build_app, head_timeout_protocol
@@ -25,16 +25,6 @@ READ_TIMEOUT = 30.0          # --read-timeout: seconds a client has to send a re
 BIND_ERRORS = {errno.EADDRINUSE: "the port is already in use",
                errno.EACCES: "permission denied (a port below 1024 needs privileges)",
                errno.EADDRNOTAVAIL: "the address is not one of this machine's"}
-
-
-class DefaultsFormatter(argparse.HelpFormatter):
-    """Every flag's help ends with its default, unless the help already says it (or there is none)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower() or not action.option_strings:
-            return text
-        return text + (" " if text else "") + "(default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
