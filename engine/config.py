@@ -112,6 +112,11 @@ class DecodeConfig:
             raise InputError("token editing (--editing-threshold) is not supported with drafts: a step that edits "
                              "changes tokens a draft was built on, so no draft past it is the plain policy's step "
                              "(docs/algorithms.md §8)")
+        pol = self.spec.policy_class(self)
+        if self.exact and len(self.draft_graph()) > 1 and pol.steps_its_state():
+            raise InputError(f"{pol.name} updates its state every step, and drafts are verified with the state as "
+                             f"it is, so exact acceptance would not be lossless over it: give --acceptance policy, "
+                             f"or no drafts (docs/loop.md)")
         if self.cost_profile is not None and self.draft_budget != "auto":
             raise InputError("a cost profile applies to --draft-budget auto only")
         top = max((r for s in self.draft_graph().nodes for r in s), default=-1)

@@ -182,6 +182,12 @@ class Policy:
         return state
 
     @classmethod
+    def steps_its_state(cls) -> bool:
+        """Whether each step changes this policy's state (it overrides `update`): drafts, verified
+        with the state as it is, then cannot be its own next steps (exact acceptance is refused)."""
+        return cls.update is not Policy.update
+
+    @classmethod
     def defaults(cls) -> dict:
         """Option name -> this policy's default value (for help texts)."""
         fields = cls.__dataclass_fields__
