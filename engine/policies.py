@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import psd_kernels
 
-from .errors import InputError
+from .errors import DecodingError, InputError
 from .options import Option, _short, _unit
 
 NEG_INF = float("-inf")
@@ -88,10 +88,16 @@ class PolicyState:
 
 def policy_select(policy: "Policy", conf, masked, step, state: PolicyState | None = None) -> torch.Tensor:
     """`policy.select`, with the rows' `PolicyState` where the policy keeps one (a stateless policy's
-    select keeps its three arguments, so a user's policy written for them still works)."""
-    if state is None:
-        return policy.select(conf, masked, step)
-    return policy.select(conf, masked, step, state=state)
+    select keeps its three arguments, so a user's policy written for them still works), checked: a
+    bool mask of `masked`'s shape (a [R, 1] or [R] result broadcast to whole blocks, silently), and
+    only masked positions kept (a committed token is never overwritten by a commit)."""
+    got = policy.select(conf, masked, step) if state is None else policy.select(conf, masked, step, state=state)
+    if not isinstance(got, torch.Tensor) or got.dtype != torch.bool or got.shape != masked.shape:
+        what = f"a {got.dtype} tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else \
+            f"a {type(got).__name__}"
+        raise DecodingError(f"the policy {policy.name}'s select returned {what}; it must return a bool tensor "
+                            f"of the masked positions' shape {tuple(masked.shape)}")
+    return got & masked
 
 
 def policy_key(policy: "Policy", conf, masked, step, state: PolicyState | None = None) -> torch.Tensor:
