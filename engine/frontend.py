@@ -49,6 +49,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse would print the whole usage first)
         self.exit(2, f"error: {message} (see --help)\n")
 
+    def add_argument(self, *args, **kwargs):
+        try:
+            return super().add_argument(*args, **kwargs)
+        except argparse.ArgumentError as e:      # a plugin's option named like one of this command's flags
+            taken = "/".join(a for a in args if a.startswith("-"))
+            self.exit(2, f"error: {self.prog} cannot take the flag {taken} twice: a plugin's option and this "
+                         f"command's own flag share the name ({e.message}); rename the plugin's option\n")
+
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)
         hint = hub_id_hint(getattr(ns, "model", None))     # every front end's --model, before any file is read

@@ -8,6 +8,7 @@ read this table; adding a policy with one parameter is its class (which declares
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -87,10 +88,13 @@ def register(method: Method) -> Method:
     names must then exist in the option table (else ValueError, and the table is as it was)."""
     if not isinstance(method, Method):
         raise TypeError(f"register takes an engine.Method, got {type(method).__name__}")
+    if method.policy is not None:
+        _check_policy(method.policy)
     before: dict[str, object] = {}        # what the option table held where this registration writes
     try:
         for option in getattr(method.policy, "declares", ()):
             if OPTIONS.get(option.name, _ABSENT) is not option:
+                _check_spellings(option)
                 before.setdefault(option.name, OPTIONS.get(option.name, _ABSENT))
                 register_option(option)
         pol_opts = tuple(method.policy.params) if method.policy is not None else ()
@@ -108,6 +112,41 @@ def register(method: Method) -> Method:
     elif not method.is_policy and method.name in POLICY_NAMES:
         POLICY_NAMES.remove(method.name)
     return method
+
+
+def _check_policy(policy) -> None:
+    """A policy class the loop can build and call (else ValueError at registration, not a traceback
+    when its option is first given): a frozen dataclass of Policy with its own select, whose
+    `params` name its fields, each default declared once (a declared Option's default that differs
+    from its field's made --help show one value and the decode use the other)."""
+    name = getattr(policy, "name", policy)
+    if not (isinstance(policy, type) and issubclass(policy, Policy)):
+        raise ValueError(f"the policy {name!r} must be a subclass of engine.Policy")
+    if policy.select is Policy.select:
+        raise ValueError(f"the policy {name!r} does not define select(conf, masked, step)")
+    fields = {f.name: f for f in dataclasses.fields(policy)}
+    for option, attr in policy.params.items():
+        if attr not in fields:
+            hint = " (is the class a @dataclass(frozen=True)?)" if attr in vars(policy).get("__annotations__", {}) else ""
+            raise ValueError(f"the policy {name!r} maps the option {option!r} to {attr!r}, which is not one of its "
+                             f"fields ({', '.join(fields) or 'none'}){hint}")
+    for option in getattr(policy, "declares", ()):
+        field = fields.get(policy.params.get(option.name, ""))
+        if option.default is not None and field is not None and field.default is not dataclasses.MISSING \
+                and field.default != option.default:
+            raise ValueError(f"the option {option.name!r} has the default {option.default!r} and the policy's field "
+                             f"{field.name!r} {field.default!r}: give it on the field only")
+
+
+def _check_spellings(option) -> None:
+    """A new option's name is an identifier, and neither it nor its aliases is already another
+    option's spelling (`tau` or `d` would resolve to threshold or depth in a method spec)."""
+    if not option.name.isidentifier():
+        raise ValueError(f"option name {option.name!r} is not an identifier (it becomes a flag and a field)")
+    taken = {s: o.name for o in OPTIONS.values() if o.name != option.name for s in (o.name,) + o.aliases}
+    clash = next((s for s in (option.name,) + option.aliases if s in taken), None)
+    if clash is not None:
+        raise ValueError(f"the option {option.name!r}: {clash!r} already spells the option {taken[clash]!r}")
 
 
 def unregister(name: str) -> Method:

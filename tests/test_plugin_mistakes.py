@@ -11,7 +11,8 @@ import torch
 
 from engine import Method, Policy, generate, register
 from engine.errors import DecodingError
-from engine.methods import unregister
+from engine.methods import METHODS, unregister
+from engine.options import OPTIONS, Option
 from models import ModelConfig, init_random
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12]]
@@ -65,3 +66,81 @@ def test_a_select_that_names_committed_positions_never_overwrites_them(model):
     finally:
         for n in names:
             unregister(n)
+
+
+class _NotADataclass(Policy):
+    beta: float = 0.5
+    name = "plain"
+    params = {"beta": "beta"}
+    declares = (Option("beta", float, "a toy"),)
+
+    def select(self, conf, masked, step):
+        return masked
+
+
+@dataclass(frozen=True)
+class _NoSelect(Policy):
+    name = "noselect"
+
+
+@dataclass(frozen=True)
+class _MissingField(Policy):
+    beta: float = 0.5
+    name = "missing"
+    params = {"beta": "bta"}
+    declares = (Option("beta", float, "a toy"),)
+
+    def select(self, conf, masked, step):
+        return masked
+
+
+@dataclass(frozen=True)
+class _TwoDefaults(_MissingField):
+    name = "twodefaults"
+    params = {"beta": "beta"}
+    declares = (Option("beta", float, "a toy", 0.7),)
+
+
+def _spelled(name, *aliases):
+    @dataclass(frozen=True)
+    class Spelled(_MissingField):
+        params = {name: "beta"}
+        declares = (Option(name, float, "a toy", aliases=aliases),)
+    Spelled.name = "spelled"
+    return Spelled
+
+
+@pytest.mark.parametrize("policy, words", [
+    (_NotADataclass, "which is not one of its fields (none) (is the class a @dataclass(frozen=True)?)"),  # crashed
+    (int, "must be a subclass of engine.Policy"),
+    (_NoSelect, "does not define select"),                                  # NotImplementedError mid-decode
+    (_MissingField, "maps the option 'beta' to 'bta', which is not one of its fields"),
+    (_TwoDefaults, "has the default 0.7 and the policy's field 'beta' 0.5"),   # --help said 0.5, decoded 0.7
+    (_spelled("tau"), "'tau' already spells the option 'threshold'"),      # specs resolved tau to threshold
+    (_spelled("beta", "d"), "'d' already spells the option 'depth'"),
+    (_spelled("two words"), "is not an identifier"),
+])
+def test_a_policy_the_loop_cannot_drive_is_refused_at_registration(policy, words):
+    before = dict(METHODS), dict(OPTIONS)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        register(Method(getattr(policy, "name", "x"), "a test policy", policy, is_policy=True))
+    assert (dict(METHODS), dict(OPTIONS)) == before
+
+
+def test_a_plugin_option_named_like_a_commands_flag_is_one_error_line(tmp_path, capsys):
+    """`device` (or dtype, model, json, help, ...) crashed argparse with a traceback, exit 1."""
+    from engine.cli import main
+    from support import run_main
+
+    plugin = tmp_path / "clash.py"
+    plugin.write_text("from dataclasses import dataclass\nimport engine\nfrom engine.options import Option\n\n\n"
+                      "@dataclass(frozen=True)\nclass Clash(engine.Confidence):\n    device: float = 0.5\n"
+                      "    name = 'clash'\n    params = {**engine.Confidence.params, 'device': 'device'}\n"
+                      "    declares = (Option('device', float, 'a toy'),)\n\n\n"
+                      "engine.register(engine.Method('clash', 'a test policy', Clash, is_policy=True))\n")
+    try:
+        rc, _, err = run_main(main, ["t5", "--plugin", str(plugin), "--method", "clash"], capsys)
+    finally:
+        if "clash" in METHODS:
+            unregister("clash")
+    assert rc == 2 and err.count("\n") == 1 and "cannot take the flag --device twice" in err, err
