@@ -366,10 +366,10 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     index = path / _INDEX
     single = path / "model.safetensors"
     _regular(single, "the weights file")
+    _regular(index, "the index")                # a FIFO or device there is refused, never opened
     if single.is_file():
         with _safe_open(single) as f:
             return {name: single for name in f.keys()}
-    _regular(index, "the index")
     if index.is_file():
         idx = _Fields(read_json(index), str(index))
         weight_map = idx.raw.get("weight_map")
