@@ -75,7 +75,7 @@ def failure(e: Exception) -> ApiError:
     """What the jobs of a batch that raised `e` are told: a request the decoder refuses is a 400,
     anything else a 500 (the worker survives it)."""
     if isinstance(e, InputError):
-        return ApiError(400, str(e))
+        return ApiError(400, str(e), "invalid_value")
     return ApiError(500, f"decoding failed: {type(e).__name__}: {e}", "decoding_failed")
 
 
