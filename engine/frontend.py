@@ -150,8 +150,8 @@ def tune_allocator() -> bool:
 
     With glibc's defaults a CPU decode returns the activations' memory to the system after each
     call (its heap top is trimmed, blocks over the dynamic mmap threshold are unmapped) and faults
-    it back in on the next: on the shipped model, PSD at batch 1 without a cache spent 12% of its
-    time there (docs/results.md, "The C allocator"). This fixes the mmap threshold at 32 MiB and the
+    it back in on the next: on the shipped model, PSD at batch 1 without a cache decoded 11-12% fewer
+    tokens/s that way (docs/results.md, "The C allocator"). This fixes the mmap threshold at 32 MiB and the
     trim threshold at 1 GiB, so a process holds up to that much freed memory for reuse. Not done
     when PSD_MALLOC=default, when the environment already sets a MALLOC_*_ variable (the user's own
     tuning) or off glibc; True if the thresholds were set. Numerics are untouched."""
