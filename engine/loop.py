@@ -205,7 +205,9 @@ class Decoder:
         blk = run.block()
         masked = blk == self.mc.mask_token_id
         # a row with nothing masked is in an editing pass (policy.edits): it commits nothing
-        was_pending, may_idle = run.pending.clone(), self.policy.may_idle(run.step) | ~masked.any(-1)
+        bound = self.policy.step_bound(run.win.width)         # idling is bounded (Policy.step_bound)
+        was_pending = run.pending.clone()
+        may_idle = self.policy.may_idle(run.step) & (run.step < bound) | ~masked.any(-1)
         state = state_of(run, span=slice(0, run.win.width))
         commit = policy_select(self.policy, run.conf, masked, run.step, state) & run.pending[:, None]
         if self.budget is not None:

@@ -213,8 +213,15 @@ class Policy:
 
     def may_idle(self, step: torch.Tensor) -> torch.Tensor:
         """Rows [R] whose step may commit nothing without that being a failure (none by default:
-        a policy commits at least one masked position per step, §2)."""
+        a policy commits at least one masked position per step, §2). Honoured for the first
+        `step_bound` steps of a block only, so no policy can keep a row open forever."""
         return torch.zeros_like(step, dtype=torch.bool)
+
+    def step_bound(self, positions: int) -> int:
+        """The steps a block of `positions` masked positions may take while `may_idle` lets a step
+        commit nothing; an idle step past it is a failure (a plugin whose may_idle is always True
+        ran forever). A policy whose own schedule takes more steps says so."""
+        return 4 * positions + 64
 
     @property
     def edits(self) -> bool:
@@ -273,6 +280,9 @@ class TopK(Policy):
             raise InputError(f"steps {steps} must be a positive multiple of the number of blocks {cfg.num_blocks}")
         if cfg.eps is not None and (cfg.schedule or cls.schedule) != "dream":
             raise InputError("eps applies to --schedule dream only")
+
+    def step_bound(self, positions: int) -> int:
+        return max(super().step_bound(positions), self.steps_per_block)
 
     def may_idle(self, step: torch.Tensor) -> torch.Tensor:
         """Rows whose step may commit nothing (Dream's schedule before its last step)."""
@@ -355,6 +365,9 @@ class Threshold(Policy):
 
     def may_idle(self, step):
         return self._k(step) == 0
+
+    def step_bound(self, positions: int) -> int:
+        return max(super().step_bound(positions), self.steps_per_block + self.max_post_steps + 1)
 
     def select(self, conf, masked, step):
         k = self._k(step)                                                           # [R]

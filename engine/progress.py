@@ -86,4 +86,5 @@ def raise_failure(run: BlockRun):
         raise DecodingError(f"the model's output at call {call} of sequence {seq} (block {run.index}) holds "
                             f"NaN/Inf; its weights or inputs are unusable")
     raise DecodingError(f"decoding made no progress at call {call} of sequence {seq} (block {run.index}): "
-                        f"the policy committed no token (the model predicted only the mask token)")
+                        f"the policy committed no token where it had to (the model predicted only the mask "
+                        f"token, or the policy let the block idle past its step bound, Policy.step_bound)")

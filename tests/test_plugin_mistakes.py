@@ -144,3 +144,15 @@ def test_a_plugin_option_named_like_a_commands_flag_is_one_error_line(tmp_path, 
         if "clash" in METHODS:
             unregister("clash")
     assert rc == 2 and err.count("\n") == 1 and "cannot take the flag --device twice" in err, err
+
+
+def test_a_policy_that_may_always_idle_ends_at_its_step_bound(model):
+    """may_idle always True and a select that commits nothing ran forever (engine.serve: a worker
+    held for good); idling is honoured for Policy.step_bound steps of a block, then it is a failure."""
+    name = _policy("idle", lambda self, conf, masked, step: torch.zeros_like(masked),
+                   may_idle=lambda self, step: torch.ones_like(step, dtype=torch.bool))
+    try:
+        with pytest.raises(DecodingError, match="idle past its step bound"):
+            generate(model, PROMPTS, method=name, gen_length=8, block_length=8)
+    finally:
+        unregister(name)
