@@ -386,6 +386,8 @@ def _plugin_names(argv) -> list[str]:
 
 
 def _import(name: str):
+    """A plugin's module: a .py file, a module name, or an entry point's `module:attr` (the module is
+    imported, which registers; the attribute must exist)."""
     if not name:
         raise InputError("--plugin needs a module name or a .py file")
     if name.endswith(".py"):
@@ -397,7 +399,23 @@ def _import(name: str):
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         return module
-    return importlib.import_module(name)
+    module_name, _, attr = (part.strip() for part in name.partition(":"))
+    if not module_name or module_name.startswith(".") or "/" in module_name or os.sep in module_name:
+        raise InputError(f"plugin {name!r} is neither a module name (my_policies) nor a .py file (./my_policies.py)")
+    module = obj = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part, _NONE)
+        if obj is _NONE:
+            raise InputError(f"plugin {name!r}: the module {module_name} has no {attr}")
+    return module
+
+
+_NONE = object()
+
+
+def _plugin_key(name: str) -> str:
+    """One plugin given twice (`./p.py` and `/abs/p.py`) is loaded once: a file by its real path."""
+    return str(Path(name).resolve()) if name.endswith(".py") else name
 
 
 def plugins_loaded(argv) -> bool:
@@ -419,7 +437,7 @@ def load_plugins(argv=None) -> list[str]:
     except Exception:                                    # no metadata: no installed plugins
         pass
     for name in names:
-        if name in _LOADED:
+        if _plugin_key(name) in _LOADED:
             continue
         before = dict(METHODS), dict(OPTIONS), list(POLICY_NAMES)
         try:
@@ -437,7 +455,7 @@ def load_plugins(argv=None) -> list[str]:
             if not isinstance(e, Exception):             # KeyboardInterrupt
                 raise
             raise InputError(f"cannot load plugin {name!r}: {type(e).__name__}: {e}") from None
-        _LOADED[name] = module
+        _LOADED[_plugin_key(name)] = module
     return names
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import Method, Policy, generate, register
-from engine.errors import DecodingError
+from engine.errors import DecodingError, InputError
 from engine.methods import METHODS, unregister
 from engine.options import OPTIONS, Option
 from models import ModelConfig, init_random
@@ -156,3 +156,49 @@ def test_a_policy_that_may_always_idle_ends_at_its_step_bound(model):
             generate(model, PROMPTS, method=name, gen_length=8, block_length=8)
     finally:
         unregister(name)
+
+
+@pytest.fixture
+def restored(monkeypatch):
+    """The method and option tables and the loaded plugins, as they were after the test."""
+    from engine import frontend
+    from engine.options import POLICY_NAMES
+
+    monkeypatch.delenv(frontend.PLUGIN_ENV, raising=False)
+    saved = dict(METHODS), dict(OPTIONS), list(POLICY_NAMES), dict(frontend._LOADED)
+    yield frontend
+    METHODS.clear(), METHODS.update(saved[0])
+    OPTIONS.clear(), OPTIONS.update(saved[1])
+    POLICY_NAMES[:] = saved[2]
+    frontend._LOADED.clear(), frontend._LOADED.update(saved[3])
+
+
+PLUGIN = ("from dataclasses import dataclass\nimport engine\n\n\n@dataclass(frozen=True)\n"
+          "class Mine(engine.Confidence):\n    name = '{name}'\n\n\n"
+          "engine.register(engine.Method('{name}', 'a test policy', Mine, is_policy=True))\n")
+
+
+def test_an_installed_entry_point_in_module_attr_form_loads(tmp_path, monkeypatch, restored):
+    """`[psd_engine.plugins] mine = epmod:Mine`, the standard form, was imported as a module named
+    'epmod:Mine': every command failed. The module is imported; the attribute must exist."""
+    (tmp_path / "epmod.py").write_text(PLUGIN.format(name="epmine"))
+    dist = tmp_path / "epmine-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: epmine\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{restored.PLUGIN_GROUP}]\nmine = epmod:Mine\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    restored.load_plugins([])
+    assert "epmine" in METHODS
+    with pytest.raises(InputError, match="the module epmod has no Missing"):
+        restored.load_plugins(["--plugin", "epmod:Missing"])
+
+
+def test_one_plugin_file_given_two_ways_loads_once_and_a_path_without_py_is_named(tmp_path, monkeypatch, restored):
+    """`--plugin mine.py --plugin ./mine.py` said the second 'replaces the method' (advice to set
+    REPLACES); `--plugin ./mine` was a TypeError about relative imports."""
+    (tmp_path / "mine.py").write_text(PLUGIN.format(name="twice"))
+    monkeypatch.chdir(tmp_path)
+    restored.load_plugins(["--plugin", "mine.py", "--plugin", str(tmp_path / "mine.py"), "--plugin", "./mine.py"])
+    assert "twice" in METHODS
+    with pytest.raises(InputError, match="is neither a module name .* nor a .py file"):
+        restored.load_plugins(["--plugin", "./mine"])
