@@ -139,7 +139,13 @@ class Option:
         allowed = self.allowed()
         if allowed and value not in allowed:
             raise InputError(f"unknown {self.what} {value!r}; expected one of {', '.join(allowed)}")
-        problem = self.check(self.what, value) if self.check else None
+        try:
+            problem = self.check(self.what, value) if self.check else None
+        except (ValueError, TypeError) as e:       # a check that raises says the same as one that returns
+            problem = f"{self.what}: {e}"
+        if problem is not None and not isinstance(problem, str):     # True was 'error: True'; False, valid
+            raise InputError(f"the check of the option {self.name!r} returned {problem!r}: a check returns the "
+                            f"error message (a str) or None, never a bool")
         if problem:
             raise InputError(problem)
         if self.kind is int and self.most is not None and value > self.most:

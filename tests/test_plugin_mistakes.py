@@ -202,3 +202,19 @@ def test_one_plugin_file_given_two_ways_loads_once_and_a_path_without_py_is_name
     assert "twice" in METHODS
     with pytest.raises(InputError, match="is neither a module name .* nor a .py file"):
         restored.load_plugins(["--plugin", "./mine"])
+
+
+@pytest.mark.parametrize("check, given, words", [
+    (lambda label, v: 0 < v <= 1, 0.5, "returned True: a check returns the error message (a str) or None"),
+    (lambda label, v: 0 < v <= 1, 5.0, "returned False"),             # was: accepted, decoded with 5
+    (lambda label, v: (_ for _ in ()).throw(ValueError("must be small")), 0.5, "gamma2: must be small"),
+])
+def test_an_option_check_that_returns_a_bool_or_raises_is_one_error(check, given, words):
+    from engine.options import register as register_option
+
+    register_option(Option("gamma2", float, "a toy", check=check))
+    try:
+        with pytest.raises(InputError, match=re.escape(words)):
+            OPTIONS["gamma2"].validate(given)
+    finally:
+        OPTIONS.pop("gamma2")
