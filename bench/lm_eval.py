@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 import engine
 from engine import DecodeConfig, Decoder, DraftGraph, InputError
-from engine.frontend import hub_id_hint, resolve_device
+from engine.frontend import hub_id_hint, load_plugins, resolve_device
 from engine.uniform import for_model
 from models import CheckpointError, ModelConfig, Tokenizer, attention_mask, load_model, position_ids
 
@@ -288,6 +288,7 @@ class PsdLM(LM):
 
     def __init__(self, harness: dict | None = None, **model_args):
         super().__init__()
+        load_plugins([])        # $PSD_PLUGINS and installed entry points: a plugin's methods and options
         harness = dict(harness or {})
         args, options = _model_args(model_args)
         m = _settings(args, harness)

@@ -218,3 +218,14 @@ def test_an_option_check_that_returns_a_bool_or_raises_is_one_error(check, given
             OPTIONS["gamma2"].validate(given)
     finally:
         OPTIONS.pop("gamma2")
+
+
+def test_lm_eval_adapter_sees_the_environments_plugins(tmp_path, monkeypatch, restored):
+    """bench.lm_eval loaded no plugins: `method=mine` with PSD_PLUGINS set was 'unknown model_arg'."""
+    pytest.importorskip("lm_eval")
+    from bench.lm_eval import PsdLM
+
+    (tmp_path / "lmplug.py").write_text(PLUGIN.format(name="lmmine"))
+    monkeypatch.setenv(restored.PLUGIN_ENV, str(tmp_path / "lmplug.py"))
+    lm = PsdLM(method="lmmine", threshold=0.5, block_length=8)
+    assert lm.decode_config(8).method == "lmmine"
