@@ -86,6 +86,10 @@ class PolicyState:
         return PolicyState(cat(self.rows, other.rows), cat(self.columns, other.columns))
 
 
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def policy_select(policy: "Policy", conf, masked, step, state: PolicyState | None = None) -> torch.Tensor:
     """`policy.select`, with the rows' `PolicyState` where the policy keeps one (a stateless policy's
     select keeps its three arguments, so a user's policy written for them still works), checked: a
@@ -229,7 +233,10 @@ class Policy:
         return False
 
     def describe(self) -> str:
-        return self.name
+        """The label in results and tables: the name, with every option's value (`mine(alpha=0.3)`),
+        so two settings of a policy are two rows."""
+        shown = ",".join(f"{opt}={_shown(getattr(self, attr))}" for opt, attr in self.params.items())
+        return f"{self.name}({shown})" if shown else self.name
 
 
 @dataclass(frozen=True)

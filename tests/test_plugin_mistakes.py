@@ -229,3 +229,29 @@ def test_lm_eval_adapter_sees_the_environments_plugins(tmp_path, monkeypatch, re
     monkeypatch.setenv(restored.PLUGIN_ENV, str(tmp_path / "lmplug.py"))
     lm = PsdLM(method="lmmine", threshold=0.5, block_length=8)
     assert lm.decode_config(8).method == "lmmine"
+
+
+def test_a_plugin_policys_label_shows_its_options():
+    """Without a describe() of its own, `mine:alpha=0.3` and `mine:alpha=0.9` shared the label
+    `mine` (bench.eval refused them as one row); the default label names every option."""
+    from engine import DecodeConfig
+    from engine.options import Option as Opt
+
+    @dataclass(frozen=True)
+    class Mine(Policy):
+        alpha: float = 0.5
+        order: str = "conf"
+        name = "labelled"
+        params = {"alpha": "alpha", "order": "order"}
+        declares = (Opt("alpha", float, "a toy"), Opt("order", str, "a toy", choices=("conf", "left")))
+
+        def select(self, conf, masked, step):
+            return masked
+
+    register(Method("labelled", "a test policy", Mine, is_policy=True))
+    try:
+        assert DecodeConfig(method="labelled", alpha=0.3).validate().describe() == "labelled(alpha=0.3,order=conf)"
+        assert DecodeConfig(method="psd", policy_name="labelled", order="left", depth=2).validate().describe() == \
+            "psd(labelled(alpha=0.5,order=left),d=2,policy)"
+    finally:
+        unregister("labelled")
