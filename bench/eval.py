@@ -146,7 +146,7 @@ def run_method(model, tok, task, problems, prompts, name, opts, args, trace=None
             res = dec.generate(prompts[i:i + args.batch_size])
             for p, r in zip(problems[i:i + args.batch_size], res):
                 text = truncate_at(tok.decode(r.token_ids), getattr(task, "STOP_SEQUENCES", ()))
-                records.append({"id": p["id"], "method": label, "spec": name, "completion": text,
+                records.append({"id": p["id"], "method": label, "spec": spec_text(name, opts), "completion": text,
                                 "tokens": r.tokens, "calls": r.calls, "rows_per_call": r.rows_per_call,
                                 "accepted_depth": {str(k): v for k, v in r.accepted_depth.items()},
                                 "draft_tokens": sum(r.commit_source)})

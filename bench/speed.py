@@ -264,7 +264,7 @@ def measure_config(model, counter, device, plan, prompts, batch_size, cache, gen
         b_min, b_med = ratio(e["base"])
         peaks = [x["peak"] for x in rs if x["peak"] is not None]
         out.append({
-            "method": e["label"], "spec": e["name"], "added_baseline": e["added"], "batch": batch_size,
+            "method": e["label"], "spec": spec_text(e["name"], e["opts"]), "added_baseline": e["added"], "batch": batch_size,
             "cache": cache, "gen_length": gen_length, "block_length": block_length, "prompts": len(prompts),
             "prompt_tokens": round(statistics.mean(len(p) for p in prompts), 1), "repeats": len(rs),
             "tokens": agg["tokens"], "seconds_median": med, "seconds_min": min(secs),

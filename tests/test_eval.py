@@ -208,6 +208,8 @@ def test_specs_differing_only_in_general_options_are_separate_rows(tiny, tmp_pat
     assert labels[0] == "greedy" and len(set(labels)) == 4
     assert labels[2] == labels[1] + "[cache=dual]" and labels[3] == labels[1] + "[min_tokens=8]"
     assert all(r["tokens"] >= 9 for r in records if r["method"] == labels[3])      # no stop token before 8
+    # each record keeps its whole spec (it held the bare method name: psd for all three)
+    assert {r["spec"] for r in records} == {"greedy", "psd:depth=2", "psd:depth=2,cache=dual", "psd:depth=2,min_tokens=8"}
     ga, gb = tmp_path / "a.json", tmp_path / "b.json"
     ga.write_text("[[], [0], [1]]")
     gb.write_text("[[], [0], [2]]")
