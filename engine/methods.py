@@ -152,6 +152,11 @@ def _check_spellings(option) -> None:
 def unregister(name: str) -> Method:
     """Remove a method from the table, and the options its policy declared: an option it added goes
     (unless a method still registered takes it), one it replaced is put back as it was."""
+    if name not in METHODS:
+        raise KeyError(f"no method {name!r} is registered")
+    default = OPTIONS["policy_name"].default if "policy_name" in OPTIONS else None
+    if name == default:              # psd would be left without a policy (a KeyError in every validate)
+        raise ValueError(f"{name!r} is psd's default policy (the option policy_name): it cannot be unregistered")
     method = METHODS.pop(name)
     if name in POLICY_NAMES:
         POLICY_NAMES.remove(name)

@@ -255,3 +255,13 @@ def test_a_plugin_policys_label_shows_its_options():
             "psd(labelled(alpha=0.5,order=left),d=2,policy)"
     finally:
         unregister("labelled")
+
+
+def test_unregister_names_what_it_cannot_do():
+    """An unknown name was a bare KeyError('x'); unregistering confidence left psd's default policy
+    pointing at nothing (a KeyError in every psd validate)."""
+    with pytest.raises(KeyError, match="no method 'nosuch' is registered"):
+        unregister("nosuch")
+    with pytest.raises(ValueError, match="'confidence' is psd's default policy"):
+        unregister("confidence")
+    assert "confidence" in METHODS
