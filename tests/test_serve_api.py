@@ -467,7 +467,8 @@ def test_help_shows_defaults():
                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}, timeout=120).stdout
     for flag, default in [("--host", "127.0.0.1"), ("--port", "8000"), ("--max-batch", "32"), ("--max-queue", "256"),
                           ("--batch-wait-ms", "10.0"), ("--dtype", "float32"), ("--device", "auto"),
-                          ("--gen-length", "128"), ("--top-k", "0"), ("--top-p", "1.0")]:
+                          ("--gen-length", "the checkpoint's generation_config.json gen_length, else 128"),
+                          ("--top-k", "0"), ("--top-p", "1.0")]:
         block = " ".join(next(b for b in re.split(r"\n  (?=-)", out) if b.split()[0] == flag).split())
         assert f"(default: {default})" in block, block
     assert "--api-key" in out and "PSD_API_KEY" in out and "--strict" in out
