@@ -12,7 +12,7 @@ Results: runs/bench/bench_draft_<device>.csv (git-ignored; PSD_BENCH_RESULTS=DIR
 """
 from __future__ import annotations
 
-import pytest
+from bench.pytest_view import pytest
 import torch
 
 from engine.frontend import Parser, add_threads_flag

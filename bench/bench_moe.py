@@ -25,7 +25,7 @@ Results: CSV with the device name and versions (runs/bench/bench_moe_<device>.cs
 """
 from __future__ import annotations
 
-import pytest
+from bench.pytest_view import pytest
 import torch
 import torch.nn.functional as F
 

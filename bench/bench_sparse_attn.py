@@ -39,7 +39,7 @@ import math
 import statistics
 import time
 
-import pytest
+from bench.pytest_view import pytest
 import torch
 import torch.nn.functional as F
 

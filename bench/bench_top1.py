@@ -23,7 +23,7 @@ directory, or PSD_BENCH_RESULTS).
 """
 from __future__ import annotations
 
-import pytest
+from bench.pytest_view import pytest
 import torch
 
 from engine.frontend import Parser, add_threads_flag

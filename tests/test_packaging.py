@@ -138,8 +138,10 @@ def test_outputs_land_in_the_current_directory(venv, tmp_path):
     (results,) = tmp_path.glob("runs/eval-math-*/results.jsonl")
     assert Path(json.loads(res.stdout.strip().splitlines()[-1])["results_file"]).resolve() == results.resolve()
     assert len(results.read_text().splitlines()) == 1
+    # the microbenchmarks are plain commands: no pytest in a plain install (their pytest-benchmark view
+    # imported it at module level: ModuleNotFoundError)
     res = _run([str(venv / "bin" / "python"), "-m", "bench.bench_draft", "--rows", "1", "--nodes", "8", "--op",
-                "rank_positions"], cwd=tmp_path)
+                "rank_positions"], cwd=tmp_path, env=_clean_env(PYTHONPATH=str(_missing(tmp_path, "pytest"))))
     assert res.returncode == 0, res.stderr[-3000:]
     assert list(tmp_path.glob("runs/bench/bench_draft_*.csv"))
     assert not list(venv.rglob("runs")), "an output was written inside the installed package"
