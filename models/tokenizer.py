@@ -279,7 +279,9 @@ class Tokenizer:
         turn opened; `add_generation_prompt=False`: not, as for a conversation that ends in a prefilled
         assistant message): a string is one user turn, a list holds {"role", "content"} messages."""
         if not self.chat_template:
-            raise CheckpointError("--chat needs a chat_template in tokenizer_config.json, and this checkpoint has none")
+            raise CheckpointError("a chat prompt (--chat, chat=True) needs the checkpoint's chat template "
+                                  "(chat_template.jinja, or chat_template in tokenizer_config.json), and this "
+                                  "checkpoint has none")
         if self._template is None:
             self._template = self._compile()
         if self._template is None:

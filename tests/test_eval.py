@@ -98,7 +98,8 @@ def test_chat_puts_each_prompt_in_the_chat_template(tmp_path, capsys):
     finally:
         (tmp_path / "saved.json").rename(tiny / "tokenizer_config.json")
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --chat needs a chat_template in tokenizer_config.json, and this checkpoint has none"]
+    assert err == ["error: a chat prompt (--chat, chat=True) needs the checkpoint's chat template "
+                   "(chat_template.jinja, or chat_template in tokenizer_config.json), and this checkpoint has none"]
     assert not (tmp_path / "none.jsonl").exists()
 
 
