@@ -328,16 +328,20 @@ def suggested_config(build, given: dict, suggested: dict | None, model_dir):
         return build(with_suggestions(given, suggested))
     except InputError as e:
         taken = {k: v for k, v in (suggested or {}).items() if given.get(k) is None}
-        try:
-            build(with_suggestions(given, None))
-        except InputError as plain:
-            if str(plain) == str(e):
-                raise e from None
-        if not taken:
+        if not taken or _same_error(build, given, e):
             raise
         names = " and ".join(f"{OPTIONS[k].flag} {v}" for k, v in taken.items())
         raise InputError(f"{e} ({names} from {Path(model_dir) / 'generation_config.json'}, the checkpoint's "
                          f"suggestion: give the flag to override)") from None
+
+
+def _same_error(build, given: dict, error: InputError) -> bool:
+    """Whether `build` of the options `given` alone (no suggestions) fails with `error`'s message."""
+    try:
+        build(with_suggestions(given, None))
+    except InputError as plain:
+        return str(plain) == str(error)
+    return False
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)    # a write the disk cannot take

@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from .config import _Fields, read_bytes, read_json, read_text
+from .config import _Fields, family_of, read_bytes, read_json, read_text
 from .errors import CheckpointError
 
 
@@ -74,6 +74,15 @@ def _text(text) -> str:
     if not isinstance(text, str):       # tokenizers' own TypeError says "TextInputSequence must be str"
         raise TypeError(f"encode takes a str, got {type(text).__name__}")
     return text
+
+
+def _family(raw: dict) -> str | None:
+    """The family of a parsed config.json's `model_type` (`models.config.family_of`), or None (the
+    config's own checks name a bad one)."""
+    try:
+        return family_of(raw.get("model_type"))
+    except CheckpointError:
+        return None
 
 
 def _special_tokens(path: Path, tc: _Fields | None) -> dict[str, str]:
@@ -141,8 +150,7 @@ class Tokenizer:
         want = self._tok.token_to_id(token) if isinstance(token, str) else None
         raw = read_json(config) if os.path.lexists(config) else {}
         got = raw.get("mask_token_id") if isinstance(raw, dict) else None
-        if not isinstance(got, int) or isinstance(got, bool) or \
-                str(raw.get("model_type")).lower().replace("-", "_") == "diffusion_gemma":
+        if not isinstance(got, int) or isinstance(got, bool) or _family(raw) == "diffusion_gemma":
             return          # (the config's own checks name a bad value; DiffusionGemma ignores a mask id)
         name = self._tok.id_to_token(got)
         shown = f"mask_token_id {got} ({'token ' + repr(name) if name is not None else 'no token'} of the tokenizer)"
@@ -212,7 +220,7 @@ class Tokenizer:
             ids = [operator.index(i) for i in ids]
         except TypeError:
             raise TypeError("decode takes a list of integer token ids") from None
-        ids = [i for i in ids if i >= 0 and self._tok.id_to_token(i) is not None]
+        ids = [i for i in ids if self.id_to_token(i) is not None]
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def continuation(self, ids) -> str:
