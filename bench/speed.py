@@ -181,9 +181,10 @@ def method_plan(specs: list[str]) -> list[dict]:
     error (`check_distinct`). Each: name, opts, label, and the labels of its two baselines (greedy, and
     the same policy without drafts or None)."""
     parsed = [parse_method(s) for s in specs]
-    check_distinct([(spec_text(name, opts), DecodeConfig(method=name, **opts).validate(), method_label(name, opts))
-                    for name, opts in parsed])          # listed twice, or two rows merged under one label: refused
-    listed = {method_label(name, opts) for name, opts in parsed}
+    cfgs = [DecodeConfig(method=name, **opts).validate() for name, opts in parsed]
+    labels = [spec_label(cfg, opts) for cfg, (_, opts) in zip(cfgs, parsed)]
+    check_distinct([(spec_text(name, opts), cfg, label) for (name, opts), cfg, label in zip(parsed, cfgs, labels)])
+    listed = set(labels)               # (listed twice, or two rows merged under one label: refused above)
     plan, seen = [], {}
 
     def add(name, opts):
