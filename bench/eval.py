@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from models import require_torch
+
+torch = require_torch()   # a missing torch: one error line (models/_torch.py)
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
 from engine.config import prompt_ids

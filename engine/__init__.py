@@ -17,6 +17,10 @@ Text in, text out (engine/text.py; works from any directory, default: the shippe
 import sys
 import types
 
+from models import require_torch
+
+require_torch()   # a missing torch: one error line (models/_torch.py)
+
 from .cache import CACHE_MODES
 from .config import DecodeConfig
 from .errors import DecodingError, InputError

@@ -166,6 +166,27 @@ def test_a_missing_extra_is_one_line_naming_the_wheel_install(command, extra, ve
     assert line.startswith("error: ") and f"pip install 'psd-engine[{extra}]'" in line, line
 
 
+
+@pytest.mark.parametrize("command", [["psd-generate", "hi"], ["psd-serve"], ["psd-eval", "--limit", "1"],
+                                     ["python", "-m", "engine.generate", "hi"], ["python", "-m", "bench.eval"],
+                                     ["python", "-m", "models.random_checkpoint", "ck"]])
+def test_a_missing_torch_is_one_line_saying_what_to_install(command, venv, tmp_path):
+    """A `pip install --no-deps` without torch: one error line and exit 2, not a traceback from inside the package
+    (models/_torch.py); a program that imports the package gets a ModuleNotFoundError saying the same."""
+    env = _clean_env(PYTHONPATH=str(_missing(tmp_path, "torch")))
+    res = _run([str(venv / "bin" / command[0]), *command[1:]], cwd=tmp_path, env=env)
+    assert res.returncode == 2, res.stderr[-3000:]
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("error: psd-engine needs PyTorch") and "pip install torch" in line, line
+
+
+def test_a_missing_torch_is_an_import_error_for_an_importing_program(venv, tmp_path):
+    env = _clean_env(PYTHONPATH=str(_missing(tmp_path, "torch")))
+    code = ("try:\n    import engine\nexcept ModuleNotFoundError as e:\n    print(e.name, '|', e)\n")
+    res = _run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("torch | psd-engine needs PyTorch"), res.stdout
+
 # ---------------------------------------------------------------------- --model that looks like a hub id
 HINT = (f"error: --model {HUB_ID} is not a local directory; it looks like a Hugging Face hub id — this engine loads "
         f"weights from local paths only: download it first (e.g. huggingface-cli download {HUB_ID} --local-dir DIR) "
