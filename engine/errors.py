@@ -12,7 +12,15 @@ class InputError(ValueError):
 
 
 class DecodingError(RuntimeError):
-    """Decoding cannot go on: the model's output is unusable (NaN/Inf) or a step committed nothing."""
+    """Decoding cannot go on: the model's output is unusable (NaN/Inf) or a step committed nothing.
+    `sequence`: the batch row that failed, when one did (the batch's other rows can go on once it
+    leaves, `Decoder.leave`); None when the batch as a whole cannot. `handle`: that sequence's handle
+    when `engine.live.LiveBatch.step` raised it (cancel it there and the others go on)."""
+
+    def __init__(self, message: str = "", sequence: int | None = None):
+        super().__init__(message)
+        self.sequence = sequence
+        self.handle: int | None = None
 
 
 def read_json(path: Path, what: str):

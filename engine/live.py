@@ -19,7 +19,7 @@ temperature 0 its tokens are those of a single-request run.
 
     live = LiveBatch(Decoder(model, config), max_rows=32)
     h = live.add(prompt_ids)                  # joins with the next step (its first call made then)
-    while (update := live.step()) is not None:     # one model call per step
+    while (update := live.step()) is not None:     # at most one model call per step
         update.pieces.get(h)                  # tokens that became final with that call
         update.commits.get(h)                 # and their per-token record (update.probs: its commit_prob)
         update.done.get(h)                    # its SequenceResult, once it is done
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import check_prompts, check_seeds, exact_int
-from .errors import InputError
+from .errors import DecodingError, InputError
 from .results import SequenceResult, collect_results, ended_rows
 from .state import Batch
 from .uniform import check_batchable
@@ -59,7 +59,8 @@ class LiveUpdate:
 
 
 class LiveBatch:
-    """A running batch over one `Decoder`: `add` queues a sequence, `step` runs one model call."""
+    """A running batch over one `Decoder`: `add` queues a sequence, `step` runs at most one model call
+    (none when it only reports what a block boundary ended: the last update before it returns None)."""
 
     def __init__(self, decoder, max_rows: int | None = None, rolling: bool | None = None):
         """`rolling`: rows keep their own block cursors (`Decoder.start`); default where the decoder
@@ -97,7 +98,7 @@ class LiveBatch:
         ids = check_prompts(self.dec.mc, dc, [prompt_ids], gen_length=g)[0]       # and the gen length
         seed = check_seeds([seed], 1)[0]
         handle, self.issued = self.issued, self.issued + 1
-        self.waiting.append((handle, ids, g, seed))
+        self.waiting.append((handle, ids, exact_int(g), seed))       # checked: a numpy int as an int
         return handle
 
     def cancel(self, handle: int) -> None:
@@ -138,9 +139,19 @@ class LiveBatch:
     @torch.no_grad()
     def step(self) -> LiveUpdate | None:
         """Run the batch up to its next model call and report what became final; None when there
-        is nothing to decode (no running and no waiting sequence)."""
+        is nothing to decode (no running and no waiting sequence). A sequence whose decoding fails
+        raises a DecodingError whose `handle` is that sequence's: `cancel` it and the others go on
+        (an error with no handle: the batch cannot go on)."""
         if self.state is None and not self.waiting:
             return None
+        try:
+            return self._step()
+        except DecodingError as e:
+            if e.sequence is not None:
+                e.handle = self.handles[e.sequence]
+            raise
+
+    def _step(self) -> LiveUpdate | None:
         while True:
             if self.state is None or self.state.at_boundary:     # rows leave and join between two blocks
                 self._between()

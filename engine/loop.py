@@ -18,8 +18,11 @@ a call); never one value per position, draft or node.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import shutil
+import threading
 import time
 
 import torch
@@ -32,7 +35,7 @@ from .budget import DraftBudget, shape_key
 from .cost import host_key
 from .cache import CACHE_MODES, Window
 from .config import DecodeConfig, check_prompts, check_seeds, exact_int
-from .errors import InputError
+from .errors import DecodingError, InputError
 from .graph import make_plan
 from .graphs import graphed
 from .progress import apply_stopping, generated, guard_progress, raise_failure, settle_edits
@@ -43,6 +46,18 @@ from .state import Batch, BatchState, BlockRun, join, layout, new_batch, pad_col
 from .uniform import UniformNoise, for_model
 
 __all__ = ["Decoder", "SequenceResult", "StreamUpdate", "aggregate", "check_prompts", "generate"]
+
+
+def _one_at_a_time(method):
+    """A Decoder with a KV cache has one store (engine/kvstore.py): threads sharing it take turns in
+    `step`, `join`, `leave` and a whole `generate` (so a thread pool's `generate` calls each decode
+    as alone, one after another), instead of one releasing the store while another writes it.
+    Interleaving the steps of two batches is still refused (KVStore.check). Cache none: no lock."""
+    @functools.wraps(method)
+    def one_at_a_time(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return one_at_a_time
 
 
 class Decoder:
@@ -57,8 +72,12 @@ class Decoder:
         if not isinstance(model, Transformer):
             raise InputError(f"model must be a loaded model (models.load_model or engine.load), got "
                              f"{type(model).__name__}" + (" (a path: load it first)" if isinstance(model, str) else ""))
+        if model.device.type == "meta":
+            raise InputError("the model's weights are on the meta device (shapes only, no values): load them "
+                             "(models.load_model) or materialise them on a real device first")
         _check_config(config)
         self.trace = trace
+        self._lock = contextlib.nullcontext()       # a KV cache mode's lock, below (_one_at_a_time)
         self.model = model
         self.mc = model.config
         self.dc = for_model(self.mc, config or DecodeConfig()).validate()   # DiffusionGemma: uniform noise
@@ -67,6 +86,8 @@ class Decoder:
         if self.dc.compile and model.device.type == "cpu" and not any(map(shutil.which, ("c++", "g++", "clang++"))):
             raise InputError("--compile on CPU needs a C++ compiler on PATH (torch inductor builds C++ kernels)")
         self.cache_mode = CACHE_MODES[self.dc.cache](model.compiled() if self.dc.compile else model)
+        if self.dc.cache != "none":                 # one KV store: its steps are one thread's at a time
+            self._lock = threading.RLock()
         if self.dc.cuda_graphs:                # verification calls replayed from CUDA graphs (engine/graphs.py)
             self.cache_mode = graphed(self.cache_mode, self.dc, model.device)
         if self.dc.cross_block and self.mc.attention != "bidirectional":
@@ -333,10 +354,11 @@ class Decoder:
                              f"{type(gen_lengths).__name__}")
         checked = check_prompts(self.mc, self.dc, prompts, gen_length=gen_lengths)   # one per prompt, or None
         seeds = check_seeds(seeds, len(checked))
-        lengths = None if gen_lengths is None else list(gen_lengths)
+        lengths = None if gen_lengths is None else [exact_int(g) for g in gen_lengths]   # checked: numpy ints too
         return BatchState(self._new_batch(checked, lengths, seeds), live=live, rolling=rolling,
                           t0=time.perf_counter(), sent=[0] * len(checked))
 
+    @_one_at_a_time
     def step(self, state: BatchState) -> StepOutput:
         """Advance `state` to its next model call and make it: the first call of the block at the
         batch's cursor, or one step of the open block (stage 1 on the latest output, stage 2, the one
@@ -345,14 +367,28 @@ class Decoder:
         batch has no row in the block at its cursor: rows may join and leave now) and when nothing is
         left (`done`, never set on a live batch: its caller decides when it ends); `final()`, what
         became final (read back only when asked)."""
-        called = self._advance(state)
-        state.version += 1
+        if state.broken:
+            raise DecodingError(f"this batch cannot go on: a step stopped halfway ({state.broken}); start a new one")
+        try:
+            called = self._advance(state)
+        except DecodingError as e:
+            if e.sequence is None:
+                state.broken = _said(e)
+            raise                       # a row's failure: raised where the batch is whole (raise_failure)
+        except BaseException as e:      # an error in a model call, an interrupt: its commits are half made
+            state.broken = _said(e)
+            raise
+        finally:
+            state.version += 1
         return StepOutput(state, called, self.mc.mask_token_id)
 
     def _advance(self, state: BatchState) -> bool:
         """`step`'s work on the state: True if a model call was made."""
         batch, L = state.batch, self.dc.block_length
         run = state.run
+        if batch is None:                  # every row left (`leave`): nothing to decode until rows join
+            state.done = not state.live
+            return False
         if run is None:
             while batch.cursor < batch.end:
                 run = self._open_block(batch)
@@ -369,9 +405,9 @@ class Decoder:
                 self.cache_mode.release()       # the batch is over: its KV memory goes (engine/kvstore.py)
             return False
         masked = self._commit(run)
-        new = None
+        new, failed = None, False
         if state.rolling:                                # rows done with their block go on to their next
-            act, new, masked = self._roll(state, masked)
+            act, new, masked, failed = self._roll(state, masked)
             batch = state.batch
         else:
             act = run.pending.nonzero()[:, 0]            # one small read-back per step
@@ -390,6 +426,8 @@ class Decoder:
             self._first_calls(run, new)
         else:
             self._verify(run, act, *self._draft(run, act, masked), new=new)
+        if failed:                  # after the call: the next step commits its output, as for any step
+            raise_failure(run)
         return True
 
     # ------------------------------------------------------------------ rolling rows (docs/loop.md)
@@ -414,14 +452,13 @@ class Decoder:
         """After stage 1 of a rolling batch: the open block's rows that are done with their block and
         have another are settled and scrolled one block left (`Batch.scroll`), so that block is at
         the window, and await its first call. Returns (rows that verify drafts, rows awaiting their
-        first call or None, the window's masks [S, W]); raises a row's failure at once."""
+        first call or None, the window's masks [S, W], whether a row failed: `_advance` raises it once
+        the step's call is made, so the batch stays whole for its other rows)."""
         run, batch, L = state.run, state.batch, self.dc.block_length
         more = (batch.gen_start + batch.gen_len)[run.seqs] > run.win.lo + L
         roll = ~run.pending & ~run.first & (run.stop_at < 0) & (run.failed == 0) & more
         S = run.seqs.numel()
         *flags, failed = torch.cat((roll, run.pending, run.first, (run.failed > 0).any()[None])).tolist()  # one read
-        if failed:
-            raise_failure(run)
         rows = [i for i in range(S) if flags[i]]
         if rows:
             at = torch.tensor(rows, device=run.x.device)
@@ -438,7 +475,7 @@ class Decoder:
         dev = run.x.device
         act = torch.tensor([i for i in range(S) if flags[S + i]], dtype=torch.long, device=dev)
         new = [i for i in range(S) if flags[2 * S + i]] + rows
-        return act, torch.tensor(new, device=dev) if new else None, masked
+        return act, torch.tensor(new, device=dev) if new else None, masked, failed
 
     def _awaiting(self, batch: Batch, seqs: torch.Tensor, run: BlockRun) -> BlockRun:
         """Run rows of batch rows `seqs` at the open block's window with no call yet (`BlockRun.first`)."""
@@ -535,6 +572,7 @@ class Decoder:
             return False
         return self._window(max(b.x.shape[1] - b.cursor, after)) == (run.win.width, run.win.ahead)
 
+    @_one_at_a_time
     def join(self, state: BatchState, prompts, gen_lengths: list[int], seeds: list | None = None) -> StepOutput:
         """Rows join `state`: each new row's first block opens at the batch's cursor, where the
         others' current (or next) block is (`engine.state.join` pads whichever side is shorter).
@@ -542,6 +580,10 @@ class Decoder:
         take their block's first call now — one model call of the new rows — and then step with
         the others (rolling rows, `rolls`: that call rides on the next step's). Returns a
         `StepOutput` as `step` does (`called`: that first call was made)."""
+        if state.done:
+            raise InputError("this batch is done (step set state.done and released its cache): decode these "
+                             "prompts in a new batch (Decoder.start; start(..., live=True) keeps a batch open "
+                             "for joins)")
         new = self.start(prompts, gen_lengths, seeds=seeds).batch
         if not self._fits(state, new.x.shape[1] - new.cursor):       # refused: the state is as it was
             raise InputError("these rows join this running batch at a block boundary (state.run is open; "
@@ -590,6 +632,7 @@ class Decoder:
         if run.cache is not None:     # every mode caches from column 0 on: `left` invisible keys first
             run.cache = self.cache_mode.widen(run.cache, run.win, run.x.shape[1], left, rows=batch.x.shape[0])
 
+    @_one_at_a_time
     def leave(self, state: BatchState, rows: list[int], now: bool = False) -> None:
         """Batch rows `rows` leave `state`: at a block boundary they are dropped (the others keep
         their order, the canvas is trimmed; no row left: `state.batch` is None). In an open block
@@ -600,7 +643,7 @@ class Decoder:
         until the block closes)."""
         rows = _batch_rows(state, rows)
         state.version += 1
-        if state.run is not None and not rows:
+        if state.batch is None or state.run is not None and not rows:
             return
         if state.run is not None and not (state.rolling or now and self.drops_at_once):
             gone = torch.tensor(rows, device=state.run.seqs.device)
@@ -612,14 +655,20 @@ class Decoder:
         gone = set(rows)
         keep = [b for b in range(state.batch.x.shape[0]) if b not in gone]     # (none left: trimmed only)
         state.sent = [state.sent[b] for b in keep]
-        if not keep:
+        if not keep:                     # a live batch waits for joins; another is done
             state.batch = state.run = None
+            state.done = not state.live
+            if state.done:
+                self.cache_mode.release()
             return
         self._keep(state, keep)
 
     def results(self, state: BatchState, rows=None, seconds=None) -> list[SequenceResult]:
         """The `SequenceResult`s of the batch's rows (all, or `rows`), from what is settled."""
         secs = time.perf_counter() - state.t0 if seconds is None else seconds
+        if state.batch is None:          # every row left
+            _batch_rows(state, rows or [])
+            return []
         return collect_results(state.batch, self.dc.block_length, secs, rows=None if rows is None else
                                _batch_rows(state, rows))
 
@@ -642,11 +691,18 @@ class Decoder:
                            [r.per_token(n) for r, n in zip(results, sent)])
 
     @torch.no_grad()
+    @_one_at_a_time
     def generate(self, prompts) -> list[SequenceResult]:
         state = self.start(prompts)
         while not state.done:
             self.step(state)
         return self.results(state)
+
+
+def _said(e: BaseException) -> str:
+    """What an exception was, on one line: its type and its message's first line."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def _check_config(config) -> None:

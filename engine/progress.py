@@ -80,11 +80,14 @@ def guard_progress(run: BlockRun, was_pending, masked_before, masked_after, may_
 
 
 def raise_failure(run: BlockRun):
+    """A DecodingError for the open block's first failed row, raised where the batch is whole (its
+    `sequence`: that batch row): the others go on once it leaves (`Decoder.leave`)."""
     row = int((run.failed > 0).nonzero()[0, 0])
     seq, call, why = int(run.seqs[row]), int(run.failed_call[row]), int(run.failed[row])
     if why == NONFINITE:
         raise DecodingError(f"the model's output at call {call} of sequence {seq} (block {run.index}) holds "
-                            f"NaN/Inf; its weights or inputs are unusable")
+                            f"NaN/Inf; its weights or inputs are unusable", sequence=seq)
     raise DecodingError(f"decoding made no progress at call {call} of sequence {seq} (block {run.index}): "
                         f"the policy committed no token where it had to (the model predicted only the mask "
-                        f"token, or the policy let the block idle past its step bound, Policy.step_bound)")
+                        f"token, or the policy let the block idle past its step bound, Policy.step_bound)",
+                        sequence=seq)

@@ -362,6 +362,8 @@ class BatchState:
                                  # out by `StepOutput.final` (rows join and leave with theirs)
     version: int = 0             # counts the changes (steps, joins, leaves): a StepOutput's final()
                                  # is read only while its state is the one its step left
+    broken: str = ""             # why a step stopped halfway (an error in its model call, an interrupt):
+                                 # the batch cannot go on (`Decoder.step` says so); "" while it can
 
     @property
     def at_boundary(self) -> bool:
