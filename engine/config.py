@@ -39,9 +39,7 @@ class DecodeConfig:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise InputError(f"unknown decoding option {unknown[0]!r}; options: {', '.join(sorted(OPTIONS))}")
-        given = {k: v for k, v in options.items() if v is not None}   # None = not given
-        for name, value in given.items():
-            OPTIONS[name].check_type(value)
+        given = {k: OPTIONS[k].check_type(v) for k, v in options.items() if v is not None}   # None = not given
         object.__setattr__(self, "method", "greedy" if method is None else method)
         object.__setattr__(self, "method_given", method is not None)     # None: the default (a model may pick)
         object.__setattr__(self, "given", _Given(given))
@@ -306,7 +304,11 @@ def _gen_lengths(mc, dc: DecodeConfig, given, n: int) -> list[int]:
 def check_gen_length(mc, dc: DecodeConfig, g) -> int:
     """`g` if it is a gen length `dc` decodes on model `mc`: a positive integer, a multiple of the
     block length where blocks start at the generation (`dc.aligned`); else InputError."""
-    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+    try:
+        g = exact_int(g)                 # an int, or a numpy / 0-d tensor integer
+    except TypeError:
+        raise InputError(f"gen length {g!r} must be a positive integer") from None
+    if g < 1:
         raise InputError(f"gen length {g!r} must be a positive integer")
     if g % dc.block_length and not dc.aligned(mc):
         raise InputError(dc.replace(gen_length=g).unaligned())

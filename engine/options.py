@@ -10,6 +10,8 @@ class (engine/policies.py), so an option without one here defaults to `None` = "
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -119,12 +121,15 @@ class Option:
         return self.kind if self.default is not None else self.kind | None
 
     def check_type(self, value):
-        """`value` if it is of the option's kind (an int for a float too, never a bool for a number);
-        else InputError. `DecodeConfig` checks this when it is made, `validate` the rest."""
+        """`value` if it is of the option's kind (an int for a float too, never a bool for a number; a
+        numpy or 0-d tensor number as the Python one); else InputError. `DecodeConfig` checks this
+        when it is made, `validate` the rest."""
         if self.kind is DraftGraph:
             if not isinstance(value, DraftGraph):
                 raise InputError(f"{self.what} must be a DraftGraph, got {type(value).__name__}")
             return value
+        if self.kind in (int, float) and not isinstance(value, (bool, int, float)):
+            value = _python_number(value, self.kind)
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if self.kind is float else \
             (isinstance(value, int) and not isinstance(value, bool)) if self.kind is int else isinstance(value, self.kind)
         if not ok:
@@ -322,3 +327,16 @@ def resolve(key: str) -> Option:
 
 def spellings() -> list[str]:
     return sorted(s for o in OPTIONS.values() for s in (o.name,) + o.aliases)
+
+
+def _python_number(value, kind):
+    """A numpy integer (or float, for a float option) or a 0-d tensor as the Python number; anything
+    else unchanged (the caller refuses it)."""
+    try:
+        return operator.index(value)              # integers only: never a float, never numpy's bool
+    except TypeError:
+        pass
+    if kind is float and isinstance(value, numbers.Real) and type(value).__name__ != "bool_":
+        return float(value)
+    return value
+

@@ -209,3 +209,93 @@ def test_an_embedders_wrong_arguments_are_typed_one_line_errors(model, tmp_path)
     with pytest.raises(CheckpointError, match="the model directory must be a str or a path, got NoneType"):
         load_model(None)
     assert load_model(path, dtype=torch.bfloat16, device="auto").tok_embeddings.weight.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------- found by an embedder (2026-11-28)
+def test_numpy_and_tensor_integers_are_gen_lengths_and_options(model):
+    """Token ids took numpy ints; gen lengths and int options refused them ('gen length np.int64(16) must be a
+    positive integer'). They are stored as Python ints."""
+    np = pytest.importorskip("numpy")
+    want = generate(model, PROMPTS, DecodeConfig(gen_length=16, block_length=8))
+    cfg = DecodeConfig(gen_length=np.int64(16), block_length=torch.tensor(8), threshold=np.float32(0.5))
+    assert (type(cfg.gen_length), type(cfg.block_length), type(cfg.threshold)) == (int, int, float)
+    dec = Decoder(model, DecodeConfig(gen_length=8, block_length=8))
+    state = dec.start(PROMPTS, [np.int64(16), np.int32(16)])
+    assert all(type(g) is int for g in state.batch.gen_len.tolist())
+    live = LiveBatch(Decoder(model, DecodeConfig(gen_length=16, block_length=8)))
+    h = live.add(PROMPTS[0], gen_length=np.int64(16))
+    done = {}
+    while (u := live.step()) is not None:
+        done.update(u.done)
+    assert done[h].token_ids == want[0].token_ids
+    for bad in (np.bool_(True), np.float64(16), 16.0):
+        with pytest.raises(InputError, match="gen length"):
+            DecodeConfig(gen_length=bad)
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_batch_every_row_left_steps_and_reports_nothing(model, live):
+    """Decoder.leave of every row set state.batch to None, and step/results/leave then raised AttributeError
+    ('NoneType' object has no attribute 'cursor'); `while not state.done: step` never ended."""
+    dec = Decoder(model, DecodeConfig(gen_length=16, block_length=8, cache="dual"))
+    state = dec.start(PROMPTS, live=live)
+    dec.step(state)                                   # a block is open
+    dec.leave(state, [0, 1], now=True)
+    assert state.batch is None and state.done is (not live)
+    assert dec.results(state) == [] and not dec.step(state) and state.done is (not live)
+    dec.leave(state, [])
+    with pytest.raises(InputError, match="row 0"):
+        dec.leave(state, [0])
+    if live:                                          # a live batch takes rows again
+        dec.join(state, [PROMPTS[1]], [16])
+        while not state.at_boundary or state.batch.cursor < state.batch.end:
+            if not dec.step(state) and state.batch.cursor >= state.batch.end:
+                break
+        want = generate(model, [PROMPTS[1]], dec.dc)[0]
+        assert dec.results(state)[0].token_ids == want.token_ids
+
+
+def test_a_done_batch_takes_no_join(model):
+    """A finished batch accepted a join, stayed done, and reported the row as masks with 0 calls."""
+    dec = Decoder(model, DecodeConfig(gen_length=8, block_length=8))
+    state = dec.start(PROMPTS)
+    while not state.done:
+        dec.step(state)
+    with pytest.raises(InputError, match="this batch is done"):
+        dec.join(state, [PROMPTS[0]], [8])
+    assert len(dec.results(state)) == 2
+
+
+def test_a_model_on_the_meta_device_is_refused_by_the_decoder(model):
+    with torch.device("meta"):
+        meta = init_random(model.config, seed=0)
+    assert meta.device.type == "meta"
+    with pytest.raises(InputError, match="meta device"):
+        Decoder(meta, DecodeConfig(gen_length=8, block_length=8))
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual", "none"])
+def test_threads_sharing_a_decoder_each_decode_as_alone(model, cache):
+    """A thread pool's generate() calls on one Decoder with a KV cache failed with IndexError / bad shapes from
+    inside the store (one batch's end freed it while another wrote); now they take turns."""
+    import threading
+    cfg = DecodeConfig(method="confidence", gen_length=16, block_length=8, cache=cache, threshold=0.5)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    want = [generate(model, [p], cfg)[0].token_ids for p in prompts]
+    dec, got, errors = Decoder(model, cfg), {}, []
+
+    def work(k):
+        try:
+            for rep in range(3):
+                i = (k + rep) % len(prompts)
+                got[(k, rep)] = (i, dec.generate([prompts[i]])[0].token_ids)
+        except Exception as e:        # noqa: BLE001 -- reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(got) == 12 and all(tokens == want[i] for i, tokens in got.values())
