@@ -456,6 +456,35 @@ def test_metrics(server):
     assert after['psd_requests_total{endpoint="other",status="401"}'] >= 1        # test_api_key's refusals
 
 
+def test_metrics_count_every_refusal_and_requests_once(server):
+    """A 401 was counted without its latency, and 404, 405 and a request that is not HTTP were counted
+    nowhere; /health's `requests` counted choices (it equalled `rows`)."""
+    import socket
+
+    import httpx
+
+    _, before = _metrics(server)
+    stats0 = server.health()["stats"]
+    assert httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "x"}).status_code == 401
+    assert server.get("/no/such/path").status_code == 404
+    assert server.get("/v1/completions").status_code == 405
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+    server.client().completions.create(model=NAME, prompt=[PROMPTS[0], PROMPTS[1]], n=2, max_tokens=8)
+    _, after = _metrics(server)
+    counted = {k: after[k] - before.get(k, 0) for k in after
+               if k.startswith("psd_requests_total") and after[k] != before.get(k, 0)}
+    assert counted == {'psd_requests_total{endpoint="/v1/completions",status="401"}': 1,
+                       'psd_requests_total{endpoint="other",status="404"}': 1,
+                       'psd_requests_total{endpoint="/v1/completions",status="405"}': 1,
+                       'psd_requests_total{endpoint="other",status="400"}': 1,
+                       'psd_requests_total{endpoint="/v1/completions",status="200"}': 1}, counted
+    assert after["psd_request_latency_seconds_count"] - before["psd_request_latency_seconds_count"] == 5
+    stats = server.health()["stats"]
+    assert (stats["requests"] - stats0["requests"], stats["rows"] - stats0["rows"]) == (1, 4)
+
+
 def test_version(server):
     v = server.get("/version").json()
     assert v["version"] and v["torch"] and "triton" in v

@@ -215,8 +215,9 @@ def _main(args) -> int:
         sock.close()
         raise
     # the access log is the app's own (routes.RequestId: each line with its X-Request-Id)
-    protocol = head_timeout_protocol(args.read_timeout, args.access_log)
-    http = http_server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
+    app = build_app(server)
+    protocol = head_timeout_protocol(args.read_timeout, args.access_log, server.metrics)
+    http = http_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                       access_log=False, timeout_graceful_shutdown=3, http=protocol),
                        server.scheduler.close)
     startup = _StartupErrors(http)

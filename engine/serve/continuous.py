@@ -109,7 +109,6 @@ class ContinuousScheduler(Scheduler):
             live.jobs[handle] = job
             rows += 1
             job.started = time.perf_counter()
-            self.stats["requests"] += 1
             self.stats["rows"] += 1
 
     def _live_for(self, model, job: Job, lives: dict, turn) -> _Live:

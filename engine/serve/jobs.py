@@ -34,6 +34,7 @@ class Owner:
     def __init__(self):
         self.last, self.seq = None, None
         self.gone = False                     # its client went away (counted once in `cancelled`)
+        self.started = False                  # one of its jobs got a row (counted once in `requests`)
 
 
 class Job:
@@ -162,6 +163,9 @@ class Scheduler:
         rows[id(job.owner)] = rows.get(id(job.owner), 0) + 1
         self.tick += 1
         job.owner.last = self.tick
+        if not job.owner.started:             # `requests` counts requests, `rows` their choices
+            job.owner.started = True
+            self.stats["requests"] += 1
 
     def _failed(self, jobs, e: Exception, count_refusals: bool = False) -> None:
         """A batch raised `e`: its jobs are told; a 500 is counted in `errors` (a 400 too with

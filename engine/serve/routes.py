@@ -42,6 +42,7 @@ def build_app(server):
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):          # unknown paths, wrong methods
         status = exc.status_code
+        server.metrics.request(request.url.path, status, since_arrival(request.scope))
         return error(ApiError(status, f"{request.method} {request.url.path}: {exc.detail}",
                               "not_found" if status == 404 else None, headers=exc.headers))   # a 405's Allow
 
@@ -99,7 +100,7 @@ class BearerAuth:
             got = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
             scheme, _, token = got.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                self.metrics.request(scope.get("path", ""), 401)
+                self.metrics.request(scope.get("path", ""), 401, since_arrival(scope))
                 what = "a wrong API key" if got else "no API key"
                 response = error(ApiError(401, f"{what}: this server needs the header 'Authorization: Bearer "
                                                f"KEY' (--api-key)", "invalid_api_key",
@@ -124,6 +125,7 @@ class RequestId:
         got = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
         rid = got.decode("ascii") if got is not None and REQUEST_ID.fullmatch(got) else uuid.uuid4().hex
         t0, status = time.perf_counter(), None
+        scope = {**scope, ARRIVED: t0}            # for the answers counted inside (since_arrival)
 
         async def send_with_id(message):
             nonlocal status
@@ -149,6 +151,15 @@ class RequestId:
                       f"{status or '-'} {time.perf_counter() - t0:.3f}s request_id={rid}", file=sys.stderr, flush=True)
 
 
+ARRIVED = "psd.arrived"           # the scope key RequestId sets: when the request's head was read
+
+
+def since_arrival(scope) -> float:
+    """Seconds since RequestId saw the request (0 where it did not: an app built without it)."""
+    t0 = scope.get(ARRIVED)
+    return 0.0 if t0 is None else time.perf_counter() - t0
+
+
 def origin_form(scope: dict) -> dict:
     """`scope` with an absolute-form request target (`GET http://host/health HTTP/1.1`, which RFC 9112
     says a server must accept, as proxies send it) reduced to its path, so routing and the API key's
@@ -162,13 +173,13 @@ def origin_form(scope: dict) -> dict:
     return {**scope, "raw_path": raw, "path": unquote(raw.decode("latin-1"))}
 
 
-def head_timeout_protocol(seconds: float, log: bool = False):
+def head_timeout_protocol(seconds: float, log: bool = False, metrics=None):
     """uvicorn's h11 protocol with a deadline for every request's line and headers: a connection
     that has not sent them within `seconds` of opening, or of its previous answer, is closed.
     (uvicorn's own keep-alive timer stops at the first byte, so a client that sends part of a
     request line and stalls would hold its connection forever.) A request that is not valid HTTP,
     which the app never sees, is answered 400 in OpenAI's shape with an X-Request-Id (`log`: and
-    an access line), as every other answer."""
+    an access line; counted in `metrics`), as every other answer."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadTimeout(H11Protocol):
@@ -209,6 +220,8 @@ def head_timeout_protocol(seconds: float, log: bool = False):
 
         def send_400_response(self, msg: str) -> None:      # uvicorn's, for what h11 cannot parse
             not_http(self, log)
+            if metrics is not None:
+                metrics.request("", 400, 0.0)
 
     return HeadTimeout
 

@@ -36,7 +36,6 @@ class StaticScheduler(Scheduler):
                     j.push("error", stopped(e))
                 raise
             finally:
-                st["requests"] += len(batch)
                 self.running = 0
 
     def _next_batch(self) -> list[Job] | None:
