@@ -24,7 +24,7 @@ from models import require_torch
 torch = require_torch()   # a missing torch: one error line (models/_torch.py)
 
 from engine import CACHE_MODES, DecodeConfig, Decoder, InputError
-from engine.config import prompt_ids
+from engine.config import check_prompts, prompt_ids
 from engine.frontend import (DEFAULT_MODEL_DIR, DTYPE_CHOICES, Parser, add_gemm_flag, add_plugin_flag, add_threads_flag,
                              checked_gemm, guarded, plugins_loaded, progress, set_threads)
 from engine.options import OPTIONS, RUNTIME, resolve, spellings
@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ending = _Ending()
     try:
-        return guarded(_run, args, ending, errors=(FileNotFoundError, ValueError))
+        return guarded(_run, args, ending, errors=(FileNotFoundError, ValueError),
+                       interrupted=lambda: _what_is_left(ending))
     except _Stopped as e:                  # rank 0 failed where every rank learnt of it
         if e.message is not None:
             print(f"error: {e.message}", file=sys.stderr)
@@ -246,6 +247,7 @@ class _Ending:
     same point (each went through every collective, or rank 0 stopped them all: `_Stopped`)."""
 
     together = False
+    out = None           # the results file, once checked (what Ctrl-C reports: _what_is_left)
 
 
 class _Stopped(Exception):
@@ -424,6 +426,7 @@ def _run(args, ending: _Ending) -> int:
         check_sandbox(sandbox_mode(args))
     # the outputs (rank 0's) are checked writable before any decoding, a failure every rank's
     out = _from_rank0(rank, world, ending, lambda: _outputs(args))
+    ending.out = out
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if world > 1 and device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
@@ -463,11 +466,15 @@ def plain_encoder(tok: Tokenizer, task):
 def _check_window(task, problems: list[dict], k: int, examples, encode, mc: ModelConfig, specs, args) -> None:
     """Every spec's prompts plus its generation fit the model's window, a spec's own gen_length or
     block_length included (`confidence:gen_length=224`), said before the weights load, with a
-    setting that fits."""
-    checked = set()
+    setting that fits; then every prompt passes the decoder's own checks for every spec (the mask
+    token in a question, the positions that align a block-causal model's blocks, the policy's
+    word), each failure naming its problem — before, they stopped the run mid-way, naming a
+    position in a batch."""
+    checked, configs = set(), []
     for name, opts in specs:
         cfg = method_config(name, opts, mc, gen_length=args.gen_length, block_length=args.block_length,
                             cache=args.cache)
+        configs.append((name, cfg))
         if (cfg.gen_length, cfg.block_length) in checked:
             continue
         checked.add((cfg.gen_length, cfg.block_length))
@@ -476,6 +483,16 @@ def _check_window(task, problems: list[dict], k: int, examples, encode, mc: Mode
         own = [f"{o}={opts[o]}" for o in ("gen_length", "block_length") if o in opts]
         if too_long:
             raise InputError(f"method {name}:{','.join(own)}: {too_long}" if own else too_long)
+    shots = examples(k) if k else []
+    prompts = [(p["id"], encode(p, shots)) for p in problems]
+    for name, cfg in configs:
+        for pid, ids in prompts:
+            try:
+                check_prompts(mc, cfg, [ids])
+            except InputError as e:
+                said = str(e).replace("prompt 0 ", "its prompt ", 1)
+                raise InputError(f"problem {pid!r}" + (f" (method {name})" if len(configs) > 1 else "") +
+                                 f": {said}") from None
 
 
 PLOT_FILES = ("pareto.png", "lookahead.png", "contribution.png", "figures.json")    # what bench.plots writes
@@ -595,6 +612,7 @@ def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, 
     records, walls, traces, results, parts = [], {}, {}, {}, []
     metrics = getattr(task, "METRICS", ())      # gsm8k: lm-eval's strict-match and flexible-extract, both
     by_id = {p["id"]: p for p in problems}
+    order = {p["id"]: n for n, p in enumerate(problems)}     # records in problem order, whatever the ranks
     for name, opts in specs:
         steps = []
         trace = (lambda rows, blk, st, rk, pr, _s=steps: _s.append((rows.tolist(), blk, st.tolist(), rk.tolist()))) \
@@ -603,7 +621,7 @@ def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, 
         m = recs[0]["method"] if recs else name
         gathered = _gather((recs, wall, (res, steps) if args.plot else None), world)
         walls[m] = max(w for _, w, _ in gathered)           # a method ends with its slowest rank
-        new = [r for rs, _, _ in gathered for r in rs]
+        new = sorted((r for rs, _, _ in gathered for r in rs), key=lambda r: order[r["id"]])
         for r in new if metrics else ():
             r.update(task.metrics(r["completion"], by_id[r["id"]]))
         records += new
@@ -612,6 +630,22 @@ def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, 
         # written as produced (an interruption loses nothing), by rank 0, whose failure every rank learns
         _from_rank0(rank, world, ending, lambda: _append(out, new), others=0)
     return records, walls, results, traces, parts
+
+
+def _what_is_left(ending) -> str | None:
+    """After Ctrl-C: what the results file holds (each method's records are appended when it ends)."""
+    if ending.out is None or not Path(ending.out).is_file():
+        return None
+    out, done = ending.out, set()
+    for line in Path(out).read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            done.add(json.loads(line)["method"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    done = sorted(map(str, done))
+    return (f"{out} holds the records of {', '.join(done)} (the methods that finished); there is no "
+            f"resume: run again with --overwrite, or with --methods the rest and another --out" if done else
+            f"no method finished: {out} is empty")
 
 
 def _append(out, records: list[dict]) -> None:

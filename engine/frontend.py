@@ -347,9 +347,10 @@ def _same_error(build, given: dict, error: InputError) -> bool:
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)    # a write the disk cannot take
 
 
-def guarded(run, *args, errors: tuple = ()) -> int:
+def guarded(run, *args, errors: tuple = (), interrupted=None) -> int:
     """Run a command's body: bad input (InputError, CheckpointError and `errors`) becomes one
-    `error:` line on stderr and exit status 2."""
+    `error:` line on stderr and exit status 2; Ctrl-C one `interrupted` line (with what
+    `interrupted()` says is left, if given) and exit status 130."""
     try:
         rc = run(*args)
         if sys.stdout is not None:
@@ -359,6 +360,8 @@ def guarded(run, *args, errors: tuple = ()) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        left = interrupted() if interrupted is not None else None
+        print("interrupted" + (f": {left}" if left else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:             # the reader went away (`| head`): no traceback, no more output
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -250,6 +250,8 @@ def test_torchrun_two_ranks_gather_one_result(tiny, tmp_path):
     s = {r["id"]: r["completion"] for r in map(json.loads, (tmp_path / "s.jsonl").read_text().splitlines())}
     o = {r["id"]: r["completion"] for r in map(json.loads, (tmp_path / "one.jsonl").read_text().splitlines())}
     assert len(s) == 6 and s == o
+    # and the same file, line by line (it was ordered rank by rank: problems 0, 2, 4, 1, 3, 5)
+    assert (tmp_path / "s.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
     summary = json.loads(sharded.stdout.strip().splitlines()[-1])
     assert summary["problems"] == 6 and summary["rows"][0]["problems"] == 6
     assert "ranks=2" in sharded.stdout

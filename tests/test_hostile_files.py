@@ -361,7 +361,50 @@ def test_eval_code_row_with_mistyped_tests_is_refused(tmp_path, capsys, monkeypa
     data = tmp_path / "code.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rc, out, err = _eval(["--task", "code", "--data", str(data), "--out", str(tmp_path / "r.jsonl")], capsys)
-    one_error_line(rc, err, "'target.tests' must be a list of strings, got a string")
+    one_error_line(rc, err, "'target.tests' must be a non-empty list of strings (with no test any code would "
+                            "pass), got a string")
+
+
+@needs_default
+@pytest.mark.parametrize("task", ["code", "mbpp"])
+def test_eval_code_row_without_tests_is_refused(task, tmp_path, capsys, monkeypatch):
+    """A row with an empty test list scored any code that compiles as solved."""
+    _no_weights(monkeypatch)
+    if task == "code":
+        rows = code_suite.load(limit=2)
+        rows[1]["target"]["tests"] = []
+    else:                               # MBPP's own rows (test_list), of the test split (task ids 11-510)
+        rows = [json.loads(line) for line in (ROOT / "bench" / "data" / "mbpp" / "mbpp.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if 11 <= r["task_id"] <= 510][:2]
+        rows[1]["test_list"] = []
+    data = tmp_path / f"{task}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, out, err = _eval(["--task", task, "--data", str(data), "--out", str(tmp_path / "r.jsonl")], capsys)
+    one_error_line(rc, err, "'target.tests' must be a non-empty list of strings")
+
+
+@needs_default
+def test_eval_a_prompt_the_decoder_refuses_names_its_problem_before_the_weights_load(tmp_path, capsys, monkeypatch):
+    """A question holding the mask token was refused only when its batch decoded (after the others had), as
+    'prompt 1 contains the mask token': a position in a batch, not the problem."""
+    _no_weights(monkeypatch)
+    rows = [json.loads(line) for line in (ROOT / "bench" / "data" / "math_test.jsonl").read_text().splitlines()[:6]]
+    rows[4]["prompt"] = rows[4]["prompt"].replace("?", " <|mask|>?", 1) + "<|mask|>"
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, out, err = _eval(["--task", "math", "--data", str(data), "--batch-size", "2", "--methods", "greedy",
+                          "--out", str(tmp_path / "r.jsonl")], capsys)
+    one_error_line(rc, err, f"problem {rows[4]['id']!r}: its prompt contains the mask token (id 1)")
+
+
+def test_gsm8k_answer_without_its_final_line_names_the_record(tmp_path):
+    from bench.tasks import gsm8k
+    rows = [{"question": f"q{i}", "answer": f"a #### {i}"} for i in range(4)]
+    rows[2]["answer"] = "no final line"
+    data = tmp_path / "g.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=re.escape(f"{data}: record 3 (gsm8k-2): GSM8K answer has no '####' line")):
+        gsm8k.load(data)
 
 
 def test_mbpp_test_list_must_be_a_list(tmp_path):

@@ -218,6 +218,9 @@ def test_eval_writes_each_method_as_it_finishes(ckpt, tmp_path, monkeypatch, cap
                    "--gen-length", "8", "--block-length", "8", "--quiet", "--out", str(out)])
     assert code == 130
     assert [json.loads(l)["method"] for l in out.read_text().splitlines()] == ["greedy", "greedy"]
+    (line,) = capsys.readouterr().err.strip().splitlines()      # it used to say nothing
+    assert line == (f"interrupted: {out} holds the records of greedy (the methods that finished); there is no "
+                    f"resume: run again with --overwrite, or with --methods the rest and another --out"), line
 
 
 def test_huge_counts_are_refused_or_cost_what_the_whole_row_costs(ckpt, capsys):

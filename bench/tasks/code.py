@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .common import (DATA_DIR, ID, OBJECT, STR, STR_LIST, Rng, assemble_program, code_suite,
+from .common import (DATA_DIR, ID, OBJECT, STR, TESTS, Rng, assemble_program, code_suite,
                      extract_code, normalize_prompt, qa_prompt, read_examples, read_jsonl)
 
 NAME = "code"
@@ -52,7 +52,7 @@ TIMEOUT_S = 5.0
 STOP_SEQUENCES = ("\nQuestion:", "\n\n")
 RUNS_CODE = True           # score runs generated code in bench.sandbox
 # what a problem needs to be decoded and scored (checked on every row before decoding)
-FIELDS = {"id": ID, "prompt": STR, "target": OBJECT, "target.entry_point": STR, "target.tests": STR_LIST}
+FIELDS = {"id": ID, "prompt": STR, "target": OBJECT, "target.entry_point": STR, "target.tests": TESTS}
 
 _INT_ARGS = ["x", "n", "a", "num", "val"]
 _INT2_ARGS = [("a", "b"), ("x", "y"), ("m", "n"), ("p", "q")]

@@ -142,6 +142,7 @@ def _is_number(v) -> bool:
 ID = (_is_id, "a string or an integer")
 STR = (_is_str, "a string")
 STR_LIST = (_is_str_list, "a list of strings")
+TESTS = (lambda v: _is_str_list(v) and len(v) > 0, "a non-empty list of strings (with no test any code would pass)")
 NUMBER = (_is_number, "a number (or a string holding one)")
 OBJECT = (lambda v: isinstance(v, dict), "an object")
 OPT_STR = (lambda v: v is None or isinstance(v, str), "a string or null")

@@ -64,7 +64,14 @@ def _problem(i: int, rec: dict) -> dict:
 
 
 def _records(path) -> list[dict]:
-    return [_problem(i, r) for i, r in enumerate(read_jsonl(DATA_FILE if path is None else path))]
+    path = DATA_FILE if path is None else path
+    out = []
+    for i, r in enumerate(read_jsonl(path)):
+        try:
+            out.append(_problem(i, r))
+        except ValueError as e:          # which record: the others' errors name it too
+            raise ValueError(f"{path}: record {i + 1} (gsm8k-{i}): {e}") from None
+    return out
 
 
 def load(path: str | Path | None = None, limit: int | None = None) -> list[dict]:

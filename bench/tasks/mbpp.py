@@ -46,7 +46,7 @@ from typing import Iterable
 
 from .common import (DATA_DIR, _FENCE, _compiles, assemble_program, code_suite,
                      extract_code, read_jsonl, require_file, truncate_at,
-                     ID, OBJECT, OPT_STR, STR, STR_LIST, read_data)
+                     ID, OBJECT, OPT_STR, STR, STR_LIST, TESTS, read_data)
 
 NAME = "mbpp"
 DATA_FILE = DATA_DIR / "mbpp" / "mbpp.jsonl"
@@ -60,7 +60,7 @@ SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600),
           "train": (601, 974)}
 STOP_SEQUENCES = ("[DONE]", "\n[BEGIN]", "\nYou are an expert")
 RUNS_CODE = True           # score runs generated code in bench.sandbox
-FIELDS = {"id": ID, "prompt": STR, "answer": STR, "target": OBJECT, "target.tests": STR_LIST,
+FIELDS = {"id": ID, "prompt": STR, "answer": STR, "target": OBJECT, "target.tests": TESTS,
           "target.entry_point": OPT_STR, "target.setup": STR, "target.imports": STR_LIST}
 HEADER = ("You are an expert Python programmer, and here is your task: {text} "
           "Your code should pass these tests:\n\n{tests}\n[BEGIN]\n")
