@@ -285,6 +285,11 @@ class TopK(Policy):
         steps = cfg.gen_length if cfg.steps is None else cfg.steps
         if steps < cfg.num_blocks or steps % cfg.num_blocks:
             raise InputError(f"steps {steps} must be a positive multiple of the number of blocks {cfg.num_blocks}")
+        if (cfg.schedule or cls.schedule) == "llada" and steps // cfg.num_blocks > cfg.block_length:
+            raise InputError(f"steps {steps} over {cfg.num_blocks} blocks is {steps // cfg.num_blocks} steps a block, more "
+                             f"than its {cfg.block_length} positions: the llada schedule commits at least one token a step, so a block takes at "
+                             f"most {cfg.block_length} steps; give --steps {cfg.block_length * cfg.num_blocks} or fewer "
+                             f"(schedule dream may idle)")
         if cfg.eps is not None and (cfg.schedule or cls.schedule) != "dream":
             raise InputError("eps applies to --schedule dream only")
 

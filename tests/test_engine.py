@@ -220,6 +220,9 @@ def test_bfloat16_model_decodes():
     (dict(method="nope"), "unknown method"),
     (dict(cache="nope"), "unknown cache mode"),
     (dict(method="topk", steps=3, gen_length=16, block_length=8), "multiple of the number of blocks"),
+    # ran 8 steps a block labelled topk(steps/block=500): at least one token a step
+    (dict(method="topk", steps=1000, gen_length=16, block_length=8), "is 500 steps a block, more than its 8 "
+                                                                      "positions"),
 ])
 def test_bad_options(opts, msg):
     model = init_random(ModelConfig.tiny("llada"))
