@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from models import DTYPES, GEMMS, CheckpointError, check_gemm
+from models._torch import loud_interrupts
 from models.config import SUGGESTED
 
 from .errors import DecodingError, InputError
@@ -351,6 +352,7 @@ def guarded(run, *args, errors: tuple = (), interrupted=None) -> int:
     """Run a command's body: bad input (InputError, CheckpointError and `errors`) becomes one
     `error:` line on stderr and exit status 2; Ctrl-C one `interrupted` line (with what
     `interrupted()` says is left, if given) and exit status 130."""
+    loud_interrupts()                   # Ctrl-C is KeyboardInterrupt again (quiet while loading: models/_torch.py)
     try:
         rc = run(*args)
         if sys.stdout is not None:

@@ -4,9 +4,11 @@ A `pip install --no-deps .` (or a virtualenv without torch) otherwise answers `p
 engine.generate` with a ModuleNotFoundError traceback from deep inside the package. From a command
 line of this project (`python -m engine.generate`, `engine.serve`, `bench.eval`, ...; the psd-*
 console scripts) it is one `error:` line and exit status 2; imported by another program it is a
-ModuleNotFoundError (name "torch") whose message says what to install.
+ModuleNotFoundError (name "torch") whose message says what to install. Ctrl-C while it loads: one
+`interrupted` line (`quiet_start`).
 """
 import os
+import signal
 import sys
 
 PACKAGES = ("engine", "models", "bench", "psd_kernels")
@@ -22,7 +24,34 @@ def _from_command_line() -> bool:
     return bool(sys.argv) and os.path.basename(sys.argv[0]) in CONSOLE_SCRIPTS
 
 
+def _interrupted_while_loading(signum, frame):
+    sys.stderr.write("interrupted\n")
+    raise SystemExit(130)
+
+
+def quiet_start() -> None:
+    """From a command line of this project, Ctrl-C while the packages load (importing torch takes
+    seconds) is one `interrupted` line and exit status 130, not a traceback from inside an import;
+    `engine.frontend.guarded` gives SIGINT back to Python (KeyboardInterrupt) once the command runs
+    (`loud_interrupts`). Nothing changes where SIGINT is ignored or handled already."""
+    try:
+        if _from_command_line() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupted_while_loading)
+    except ValueError:             # not the main thread: signals are not its to set
+        pass
+
+
+def loud_interrupts() -> None:
+    """SIGINT as Python's KeyboardInterrupt again, where `quiet_start` had set it."""
+    try:
+        if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:             # not the main thread
+        pass
+
+
 def require_torch():
+    quiet_start()
     try:
         import torch
     except ModuleNotFoundError as exc:

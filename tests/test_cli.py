@@ -324,3 +324,27 @@ def test_stream_text_waits_for_a_run_of_byte_tokens(tmp_path):
     pieces = []
     _stream_text(Decoder(), tok, [1], pieces.append)
     assert "".join(pieces) == tok.decode(ids) == "\ufffd" * 3 + "a"
+
+
+@pytest.mark.parametrize("command", [False, True])
+def test_ctrl_c_while_the_packages_load_is_one_line(command):
+    """Ctrl-C in the seconds `import torch` takes ended `python -m engine.generate` with a traceback from inside
+    the import (models/_torch.py: quiet_start); once the command runs, SIGINT is KeyboardInterrupt again
+    (engine.frontend.guarded), and a program that imports the packages keeps Python's own handling."""
+    code = ("import os, signal, sys, time\n"
+            f"sys.argv = {['-m'] if command else ['prog.py']!r}\n"
+            "import engine\n"                       # loads torch via models/_torch.py
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(30)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    if command:
+        assert (res.returncode, res.stderr) == (130, "interrupted\n"), res.stderr[-2000:]
+    else:
+        assert res.returncode != 130 and res.stderr.rstrip().endswith("KeyboardInterrupt"), res.stderr[-2000:]
+    after = ("import os, signal, sys\nsys.argv = ['-m']\nimport engine\nfrom engine.frontend import guarded\n"
+             "def run():\n    os.kill(os.getpid(), signal.SIGINT)\n    return 0\n"
+             "sys.exit(guarded(run))\n")
+    res = subprocess.run([sys.executable, "-c", after], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stderr) == (130, "interrupted\n"), res.stderr[-2000:]
