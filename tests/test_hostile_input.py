@@ -225,8 +225,8 @@ def test_eval_writes_each_method_as_it_finishes(ckpt, tmp_path, monkeypatch, cap
 
 def test_huge_counts_are_refused_or_cost_what_the_whole_row_costs(ckpt, capsys):
     """Integers beyond 2**31 - 1 are no setting (they overflowed tensors: tracebacks); up to it, a window
-    wider than the block or billions of steps decode as the widest real one (a list of the steps was built:
-    a hang eating GBs; the window's padding was allocated)."""
+    wider than the block decodes as the widest real one (the window's padding was allocated), and billions
+    of topk steps are refused at once (a list of the steps was built: a hang eating GBs)."""
     from engine.generate import main
 
     from support import run_main
@@ -245,4 +245,6 @@ def test_huge_counts_are_refused_or_cost_what_the_whole_row_costs(ckpt, capsys):
 
     assert tokens("--method", "localleap", "--window", str(2 ** 31 - 1)) == tokens("--method", "localleap",
                                                                                      "--window", "8")
-    assert tokens("--method", "topk", "--steps", str(2 ** 31 - 2)) == tokens("--method", "topk", "--steps", "16")
+    # billions of steps (a list of them was built): now refused at once, as any count past a step a position
+    rc, out, err = run_main(main, base + ["--method", "topk", "--steps", str(2 ** 31 - 2)], capsys)
+    assert rc == 2 and out == "" and "steps a block, more than its 8 positions" in err, err
