@@ -44,7 +44,7 @@ class SequenceResult:
     commit_top: list[list[tuple[int, float]]] | None = None   # --top-logprobs k: per generated token, the k most
                                   # likely (id, probability) in the output that committed it, most likely first
     accepted_depth: dict[int, int] = field(default_factory=dict)  # |S_k*| of the kept node per verification call
-    draft_nodes: dict[int, int] = field(default_factory=dict)     # graph nodes verified (root incl.) per such call
+    draft_nodes: dict[int, int] = field(default_factory=dict)     # the plan's graph nodes (root incl.) per such call (fewer are verified where ranks run out)
     text: str | None = None
 
     def per_token(self, start: int = 0) -> dict[str, list]:

@@ -145,7 +145,7 @@ class Batch:
     stop_at: torch.Tensor          # [B] column of the stop token, -1 while none
     commits: Commits               # [B, N] per generated position: how it was committed
     depth_hist: torch.Tensor       # [B, D + 1] accepted depth per verification call
-    nodes_hist: torch.Tensor       # [B, K + 1] graph nodes verified per verification call (draft budget)
+    nodes_hist: torch.Tensor       # [B, K + 1] the plan's graph nodes per verification call (draft budget)
     carry_pred: torch.Tensor       # [B, L] --cross-block: the next block's prediction by the call that
     carry_conf: torch.Tensor       # [B, L]   completed this one (a kept draft), valid where carry_ok
     carry_ok: torch.Tensor         # [B] bool
