@@ -336,8 +336,13 @@ def test_ctrl_c_while_the_packages_load_is_one_line(command):
             "import engine\n"                       # loads torch via models/_torch.py
             "os.kill(os.getpid(), signal.SIGINT)\n"
             "time.sleep(30)\n")
+    import signal
+
+    def sigint_default():          # a job started in the background (CI under nohup) inherits SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, preexec_fn=sigint_default)
     if command:
         assert (res.returncode, res.stderr) == (130, "interrupted\n"), res.stderr[-2000:]
     else:
@@ -346,5 +351,5 @@ def test_ctrl_c_while_the_packages_load_is_one_line(command):
              "def run():\n    os.kill(os.getpid(), signal.SIGINT)\n    return 0\n"
              "sys.exit(guarded(run))\n")
     res = subprocess.run([sys.executable, "-c", after], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, preexec_fn=sigint_default)
     assert (res.returncode, res.stderr) == (130, "interrupted\n"), res.stderr[-2000:]
