@@ -339,4 +339,3 @@ def _python_number(value, kind):
     if kind is float and isinstance(value, numbers.Real) and type(value).__name__ != "bool_":
         return float(value)
     return value
-
