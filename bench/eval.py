@@ -421,7 +421,7 @@ def _run(args, ending: _Ending) -> int:
     mc = ModelConfig.from_dir(args.model)
     k, shots, examples = _few_shots(task, problems, args, mc.max_length)
     tok = Tokenizer(args.model)
-    _check_window(task, problems, k, examples, prompt_encoder(tok, task, args), mc, specs, args)
+    prompts = _check_window(task, problems, k, examples, shots, prompt_encoder(tok, task, args), mc, specs, args)
     if getattr(task, "RUNS_CODE", False):           # generated code will run: is the sandbox usable here?
         check_sandbox(sandbox_mode(args))
     # the outputs (rank 0's) are checked writable before any decoding, a failure every rank's
@@ -433,7 +433,7 @@ def _run(args, ending: _Ending) -> int:
     checked_gemm(args.gemm, device, args.dtype)
     set_threads(args.threads)
     model = load_model(args.model, dtype=args.dtype, device=device).set_gemm(args.gemm)
-    records, walls, results, traces, parts = _decode_methods(model, tok, task, problems, shots, specs, args, out,
+    records, walls, results, traces, parts = _decode_methods(model, tok, task, problems, prompts, specs, args, out,
                                                              rank, world, ending)
     ending.together = True                          # every rank went through every collective
     if rank != 0:
@@ -463,13 +463,14 @@ def plain_encoder(tok: Tokenizer, task):
     return lambda problem, shots: tok.encode(task.format_prompt(problem, shots))
 
 
-def _check_window(task, problems: list[dict], k: int, examples, encode, mc: ModelConfig, specs, args) -> None:
+def _check_window(task, problems: list[dict], k: int, examples, shots: list, encode, mc: ModelConfig, specs,
+                  args) -> list[list[int]]:
     """Every spec's prompts plus its generation fit the model's window, a spec's own gen_length or
     block_length included (`confidence:gen_length=224`), said before the weights load, with a
     setting that fits; then every prompt passes the decoder's own checks for every spec (the mask
     token in a question, the positions that align a block-causal model's blocks, the policy's
     word), each failure naming its problem — before, they stopped the run mid-way, naming a
-    position in a batch."""
+    position in a batch. Returns each problem's prompt ids (with its k `shots`), what is decoded."""
     checked, configs = set(), []
     for name, opts in specs:
         cfg = method_config(name, opts, mc, gen_length=args.gen_length, block_length=args.block_length,
@@ -483,16 +484,16 @@ def _check_window(task, problems: list[dict], k: int, examples, encode, mc: Mode
         own = [f"{o}={opts[o]}" for o in ("gen_length", "block_length") if o in opts]
         if too_long:
             raise InputError(f"method {name}:{','.join(own)}: {too_long}" if own else too_long)
-    shots = examples(k) if k else []
-    prompts = [(p["id"], encode(p, shots)) for p in problems]
+    prompts = [encode(p, shots) for p in problems]
     for name, cfg in configs:
-        for pid, ids in prompts:
+        for p, ids in zip(problems, prompts):
             try:
                 check_prompts(mc, cfg, [ids])
             except InputError as e:
                 said = str(e).replace("prompt 0 ", "its prompt ", 1)
-                raise InputError(f"problem {pid!r}" + (f" (method {name})" if len(configs) > 1 else "") +
+                raise InputError(f"problem {p['id']!r}" + (f" (method {name})" if len(configs) > 1 else "") +
                                  f": {said}") from None
+    return prompts
 
 
 PLOT_FILES = ("pareto.png", "lookahead.png", "contribution.png", "figures.json")    # what bench.plots writes
@@ -600,15 +601,13 @@ def _examples(task, args):
     return lambda k: task.few_shot(k, args.few_shot_data or args.data)
 
 
-def _decode_methods(model, tok, task, problems: list[dict], shots, specs, args, out, rank: int, world: int,
-                    ending: _Ending):
+def _decode_methods(model, tok, task, problems: list[dict], prompts: list[list[int]], specs, args, out, rank: int,
+                    world: int, ending: _Ending):
     """Every method over this rank's share of the problems: (records of all ranks, wall seconds per
     method, plot results and traces per method, each rank's plot data per method). Rank 0 appends
     each method's records to `out` as they are produced; where it cannot, every rank stops there
     (rank 0's `error:` line and status 2, the others status 0: their part was done)."""
-    mine = problems[rank::world]
-    encode = prompt_encoder(tok, task, args)
-    prompts = [encode(pr, shots) for pr in mine]
+    mine, prompts = problems[rank::world], prompts[rank::world]      # each problem's ids (_check_window)
     records, walls, traces, results, parts = [], {}, {}, {}, []
     metrics = getattr(task, "METRICS", ())      # gsm8k: lm-eval's strict-match and flexible-extract, both
     by_id = {p["id"]: p for p in problems}
