@@ -77,7 +77,6 @@ class Decoder:
                              "(models.load_model) or materialise them on a real device first")
         _check_config(config)
         self.trace = trace
-        self._lock = contextlib.nullcontext()       # a KV cache mode's lock, below (_one_at_a_time)
         self.model = model
         self.mc = model.config
         self.dc = for_model(self.mc, config or DecodeConfig()).validate()   # DiffusionGemma: uniform noise
@@ -86,8 +85,8 @@ class Decoder:
         if self.dc.compile and model.device.type == "cpu" and not any(map(shutil.which, ("c++", "g++", "clang++"))):
             raise InputError("--compile on CPU needs a C++ compiler on PATH (torch inductor builds C++ kernels)")
         self.cache_mode = CACHE_MODES[self.dc.cache](model.compiled() if self.dc.compile else model)
-        if self.dc.cache != "none":                 # one KV store: its steps are one thread's at a time
-            self._lock = threading.RLock()
+        # one KV store: its steps are one thread's at a time (_one_at_a_time); no store, no lock
+        self._lock = threading.RLock() if self.dc.cache != "none" else contextlib.nullcontext()
         if self.dc.cuda_graphs:                # verification calls replayed from CUDA graphs (engine/graphs.py)
             self.cache_mode = graphed(self.cache_mode, self.dc, model.device)
         if self.dc.cross_block and self.mc.attention != "bidirectional":
